@@ -1,0 +1,29 @@
+"""kvjax: a functional JAX codebase for measuring what a KV cache costs and saves."""
+
+import setuptools
+
+setuptools.setup(
+    name="kvjax",
+    version="0.1.0",
+    description="Functional JAX/Flax LLM inference with explicit, measurable KV caches.",
+    packages=setuptools.find_packages(include=["kvjax", "kvjax.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "jax>=0.4.35",
+        "flax>=0.10",
+        "optax>=0.2",
+        "chex>=0.1.87",
+        "absl-py>=2.0",
+        "ml_collections>=0.1.1",
+        "numpy>=1.26",
+        "safetensors>=0.4",
+        "orbax-checkpoint>=0.6",
+        "matplotlib>=3.7",
+    ],
+    extras_require={
+        # Parity tests against the reference implementation: CPU torch only.
+        "test": ["pytest>=8", "pytest-xdist>=3", "torch==2.13.0", "transformers>=4.50"],
+        "bench": ["torch==2.13.0", "transformers>=4.50"],
+        "corpus": ["rdata>=1.0"],
+    },
+)
