@@ -1,0 +1,195 @@
+"""Grouped-query attention (MHA / MQA / GQA in one function) and the per-call
+context every attention variant reads.
+
+MHA is GQA with K = N, MQA is GQA with K = 1: one grouped einsum
+('BTKGH,BKSH->BKGTS') covers all three. The no-cache forward, the prefill, the
+chunked extension and the decode step run this same code; they differ only in
+where K and V come from (`Step.mode`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from kvjax import cache as cache_lib
+from kvjax import quant
+from kvjax.config import ModelConfig
+from kvjax.layers import apply_rope
+
+MODES = ("forward", "prefill", "extend", "decode")
+
+
+@struct.dataclass
+class Step:
+  """What one model call needs besides params and activations (built once).
+
+  mode (static):
+    forward  no cache; keys are the new tokens themselves.
+    prefill  keys are the new tokens (the cache is taken as empty); their
+             K/V are then written to the cache.
+    extend   keys are the cached tokens followed by the new tokens (chunked
+             prefill); the new K/V are then written.
+    decode   the new K/V are written first, then the queries attend over the
+             whole cache.
+  q_pos: [B, T] stream positions of the new tokens (-1 for padding).
+  mask: [B, T, S'] which keys each query may attend (S' = T, S + T or S).
+  cos_q, sin_q: [B, T, R/2] rotation of the queries (and of the new keys in
+    `original` position mode).
+  cos_k, sin_k: [B, S, R/2] rotation applied to cached keys at attention time
+    (`cache` position mode only), else None.
+  slots: [B, T] cache slot each new token is written to (S = not written).
+  """
+
+  q_pos: jax.Array
+  mask: jax.Array
+  cos_q: jax.Array
+  sin_q: jax.Array
+  slots: jax.Array | None = None
+  cos_k: jax.Array | None = None
+  sin_k: jax.Array | None = None
+  mode: str = struct.field(pytree_node=False, default="forward")
+  want_scores: bool = struct.field(pytree_node=False, default=False)
+
+
+def attend(q_BTKGH, k_BKSH, v_BKSH, mask_BTS, scale: float,
+           impl: str = "einsum"):
+  """Masked softmax attention for grouped queries.
+
+  Args:
+    q_BTKGH: queries grouped by the kv head that serves them.
+    k_BKSH, v_BKSH: keys and values (heads-first, the cache layout).
+    mask_BTS: True where the key may be attended. Fully masked rows return a
+      finite average (they are padding and never read), never NaN.
+    scale: softmax scale.
+    impl: 'einsum' (portable) or 'jax_nn' (jax.nn.dot_product_attention,
+      which dispatches to cuDNN flash attention on GPU).
+  Returns:
+    out_BTKGH, probs_BKGTS (float32; None with impl='jax_nn').
+  """
+  B, T, K, G, H = q_BTKGH.shape
+  if impl == "jax_nn":
+    q_BTNH = q_BTKGH.reshape(B, T, K * G, H)
+    k_BSKH = jnp.swapaxes(k_BKSH, 1, 2)
+    v_BSKH = jnp.swapaxes(v_BKSH, 1, 2)
+    out = jax.nn.dot_product_attention(
+        q_BTNH, k_BSKH.astype(q_BTNH.dtype), v_BSKH.astype(q_BTNH.dtype),
+        mask=mask_BTS[:, None], scale=scale)
+    return out.reshape(B, T, K, G, H), None
+  logits_BKGTS = jnp.einsum("BTKGH,BKSH->BKGTS", q_BTKGH, k_BKSH,
+                            preferred_element_type=jnp.float32) * scale
+  big_neg = jnp.finfo(jnp.float32).min
+  logits_BKGTS = jnp.where(mask_BTS[:, None, None], logits_BKGTS, big_neg)
+  probs_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1)
+  out_BTKGH = jnp.einsum("BKGTS,BKSH->BTKGH", probs_BKGTS.astype(v_BKSH.dtype),
+                         v_BKSH, preferred_element_type=jnp.float32)
+  return out_BTKGH.astype(q_BTKGH.dtype), probs_BKGTS
+
+
+def _scatter_tokens(arr, layer, slots_BT, new_BT, slot_axis):
+  """arr[layer, b, ..., slots[b, t], ...] = new[b, t] (slot = S: dropped)."""
+  B, T = slots_BT.shape
+  b_BT = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+  if slot_axis == 3:  # [L, B, K, S, ...]
+    return arr.at[layer, b_BT, :, slots_BT].set(new_BT.astype(arr.dtype),
+                                                mode="drop")
+  return arr.at[layer, b_BT, slots_BT].set(new_BT.astype(arr.dtype),
+                                           mode="drop")
+
+
+def write_kv(cache: cache_lib.KVCache, layer, slots_BT, k_BTKH, v_BTKH):
+  """Stores one layer's new keys and values at `slots` (quantized if asked)."""
+  dtype = cache.k.dtype
+  k_q, k_s = quant.quantize(k_BTKH, dtype)
+  v_q, v_s = quant.quantize(v_BTKH, dtype)
+  new = dict(k=_scatter_tokens(cache.k, layer, slots_BT, k_q, 3),
+             v=_scatter_tokens(cache.v, layer, slots_BT, v_q, 3))
+  if k_s is not None:
+    new["k_scale"] = _scatter_tokens(cache.k_scale, layer, slots_BT, k_s, 3)
+    new["v_scale"] = _scatter_tokens(cache.v_scale, layer, slots_BT, v_s, 3)
+  return cache.replace(**new)
+
+
+def read_kv(cache: cache_lib.KVCache, layer, dtype):
+  """One layer's keys and values, [B, K, S, H] each, in `dtype`."""
+  k_scale = None if cache.k_scale is None else cache.k_scale[layer]
+  v_scale = None if cache.v_scale is None else cache.v_scale[layer]
+  return (quant.dequantize(cache.k[layer], k_scale, dtype),
+          quant.dequantize(cache.v[layer], v_scale, dtype))
+
+
+def accumulate_scores(cache, probs_BKGTS, step: Step):
+  """Adds the attention each cached slot received to `cache.scores` (h2o)."""
+  if not step.want_scores or probs_BKGTS is None:
+    return cache
+  S = cache.capacity
+  recv_BS = jnp.sum(probs_BKGTS, axis=(1, 2, 3))
+  if step.mode == "prefill":
+    # Prefill keys are the new tokens; move their totals to their slots.
+    B, T = step.slots.shape
+    b_BT = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+    add = jnp.zeros((B, S), jnp.float32).at[b_BT, step.slots].add(
+        recv_BS, mode="drop")
+    return cache.replace(scores=cache.scores + add)
+  if step.mode == "extend":
+    recv_BS = recv_BS[:, :S]
+  return cache.replace(scores=cache.scores + recv_BS)
+
+
+def gqa_attention(p, x_BTD, step: Step, cache, layer, config: ModelConfig):
+  """One GQA/MHA/MQA attention layer.
+
+  Args:
+    p: this layer's params: q [D,N,H], k, v [D,K,H], o [N,H,D], optional
+      q_bias [N,H], k_bias, v_bias [K,H], o_bias [D].
+    x_BTD: normalized input.
+    step: the call context.
+    cache: KVCache or None (mode 'forward').
+    layer: index of this layer in the cache's L axis (traced).
+  Returns:
+    (y_BTD, new_cache)
+  """
+  B, T, _ = x_BTD.shape
+  K, G, H = config.num_kv_heads, config.groups, config.head_dim
+  dtype = x_BTD.dtype
+  q_BTNH = jnp.einsum("BTD,DNH->BTNH", x_BTD, p["q"])
+  k_BTKH = jnp.einsum("BTD,DKH->BTKH", x_BTD, p["k"])
+  v_BTKH = jnp.einsum("BTD,DKH->BTKH", x_BTD, p["v"])
+  if "q_bias" in p:
+    q_BTNH += p["q_bias"]
+    k_BTKH += p["k_bias"]
+    v_BTKH += p["v_bias"]
+  cos_q, sin_q = step.cos_q[:, :, None], step.sin_q[:, :, None]
+  q_BTNH = apply_rope(q_BTNH, cos_q, sin_q, config.rope_layout)
+  pre_rope = cache is not None and cache.policy.positions == "cache"
+  k_rot_BTKH = apply_rope(k_BTKH, cos_q, sin_q, config.rope_layout)
+  # `cache` position mode stores keys unrotated and rotates at read time.
+  k_store_BTKH = k_BTKH if pre_rope else k_rot_BTKH
+
+  if step.mode == "decode":
+    cache = write_kv(cache, layer, step.slots, k_store_BTKH, v_BTKH)
+    k_BKSH, v_BKSH = read_kv(cache, layer, dtype)
+    if pre_rope:
+      k_BKSH = apply_rope(k_BKSH, step.cos_k[:, None], step.sin_k[:, None],
+                          config.rope_layout)
+  else:
+    k_BKSH = jnp.swapaxes(k_rot_BTKH, 1, 2)
+    v_BKSH = jnp.swapaxes(v_BTKH, 1, 2)
+    if step.mode == "extend":
+      k_old, v_old = read_kv(cache, layer, dtype)
+      k_BKSH = jnp.concatenate([k_old, k_BKSH], axis=2)
+      v_BKSH = jnp.concatenate([v_old, v_BKSH], axis=2)
+    if step.mode in ("prefill", "extend"):
+      cache = write_kv(cache, layer, step.slots, k_store_BTKH, v_BTKH)
+
+  q_BTKGH = q_BTNH.reshape(B, T, K, G, H)
+  out_BTKGH, probs = attend(q_BTKGH, k_BKSH, v_BKSH, step.mask,
+                            config.softmax_scale, config.attention_impl)
+  if cache is not None:
+    cache = accumulate_scores(cache, probs, step)
+  y_BTD = jnp.einsum("BTNH,NHD->BTD", out_BTKGH.reshape(B, T, K * G, H),
+                     p["o"])
+  if "o_bias" in p:
+    y_BTD += p["o_bias"]
+  return y_BTD, cache

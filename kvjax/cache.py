@@ -1,0 +1,333 @@
+"""KV caches as immutable pytrees, their policy, slot arithmetic and bytes.
+
+Two cache kinds, one per attention family:
+
+  KVCache      k, v       [L, B, K, S, H]   (MHA / MQA / GQA)
+  LatentCache  c_kv       [L, B, S, C]      (MLA: one latent per token)
+               k_rope     [L, B, S, R]      (MLA: the shared rotary key)
+
+Both carry `positions [B, S]` (the stream position held by each slot, -1 when
+empty) and `length [B]` (tokens of each sequence seen so far, i.e. the next
+position), stored once for all layers. Static metadata (the `CachePolicy`) is
+a non-pytree field, so it is part of the jit cache key, never traced.
+
+Slots are heads-first (`[L, B, K, S, H]`): measured 1.2-2.1x faster per decode
+step on CPU than `[L, B, S, K, H]` because attention reads each head's keys as
+one contiguous block (see WORKSPACE.md).
+
+Every function here returns a new cache; none mutates. Under `jit` with the
+cache donated XLA performs the scatter in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from kvjax.config import ModelConfig
+
+EVICTIONS = ("none", "window", "sinks", "h2o")
+POSITION_MODES = ("original", "cache")
+KV_DTYPES = ("float32", "bfloat16", "float16", "int8")
+KEY_QUANT = ("token",)
+EMPTY = -1  # position stored in a slot that holds no token
+
+
+@dataclasses.dataclass(frozen=True)
+class CachePolicy:
+  """How a bounded cache stores and evicts tokens (static, hashable).
+
+  eviction:
+    none    slot = position; overflowing the capacity is an error.
+    window  a rolling buffer of the last `capacity` tokens.
+    sinks   the first `num_sinks` tokens pinned, a rolling window for the
+            rest (StreamingLLM, Xiao et al. 2023).
+    h2o     heavy hitters: the `recent` newest tokens always kept, the rest of
+            the slots hold the tokens with the largest accumulated attention
+            (H2O, Zhang et al. 2023).
+  positions:
+    original  keys are rotated once, at their position in the stream.
+    cache     keys are stored before RoPE and rotated at attention time by
+              their rank inside the cache (StreamingLLM's choice); costs one
+              rotation of every cached key per step.
+  kv_dtype: storage dtype; int8 stores symmetric per-token-per-head scales.
+  """
+
+  eviction: str = "none"
+  num_sinks: int = 0
+  recent: int = 0  # h2o only: newest tokens always kept
+  positions: str = "original"
+  kv_dtype: str = "float32"
+  key_quant: str = "token"
+
+  def __post_init__(self):
+    if self.eviction not in EVICTIONS:
+      raise ValueError(
+          f"eviction={self.eviction!r} is not one of {EVICTIONS}")
+    if self.positions not in POSITION_MODES:
+      raise ValueError(
+          f"positions={self.positions!r} is not one of {POSITION_MODES}")
+    if self.kv_dtype not in KV_DTYPES:
+      raise ValueError(f"kv_dtype={self.kv_dtype!r} is not one of {KV_DTYPES}")
+    if self.key_quant not in KEY_QUANT:
+      raise ValueError(
+          f"key_quant={self.key_quant!r} is not one of {KEY_QUANT}")
+    if self.num_sinks < 0:
+      raise ValueError(f"num_sinks must be >= 0, got {self.num_sinks}")
+    if self.num_sinks and self.eviction != "sinks":
+      raise ValueError(
+          f"num_sinks={self.num_sinks} needs eviction='sinks', "
+          f"got {self.eviction!r}")
+    if self.eviction == "sinks" and self.num_sinks < 1:
+      raise ValueError("eviction='sinks' needs num_sinks >= 1")
+    if self.eviction == "h2o" and self.recent < 1:
+      raise ValueError("eviction='h2o' needs recent >= 1")
+    if self.recent and self.eviction != "h2o":
+      raise ValueError(f"recent={self.recent} needs eviction='h2o'")
+
+  @property
+  def quantized(self) -> bool:
+    return self.kv_dtype == "int8"
+
+  @property
+  def bounded(self) -> bool:
+    """True when old tokens are evicted instead of overflowing."""
+    return self.eviction != "none"
+
+  def validate_capacity(self, capacity: int) -> None:
+    if capacity < 1:
+      raise ValueError(f"capacity must be >= 1, got {capacity}")
+    if self.eviction == "sinks" and capacity <= self.num_sinks:
+      raise ValueError(
+          f"capacity={capacity} must exceed num_sinks={self.num_sinks}")
+    if self.eviction == "h2o" and capacity <= self.recent:
+      raise ValueError(
+          f"capacity={capacity} must exceed recent={self.recent} for h2o")
+
+
+@struct.dataclass
+class KVCache:
+  """Per-head keys and values: k, v [L, B, K, S, H].
+
+  k_scale, v_scale: int8 scales, [L, B, K, S] per token and head; None for
+  float caches.
+  scores: [B, S] accumulated attention (h2o only, else None).
+  """
+
+  k: jax.Array
+  v: jax.Array
+  positions: jax.Array
+  length: jax.Array
+  k_scale: jax.Array | None = None
+  v_scale: jax.Array | None = None
+  scores: jax.Array | None = None
+  policy: CachePolicy = struct.field(pytree_node=False,
+                                     default=CachePolicy())
+
+  @property
+  def capacity(self) -> int:
+    return self.k.shape[3]
+
+  @property
+  def batch(self) -> int:
+    return self.k.shape[1]
+
+
+@struct.dataclass
+class LatentCache:
+  """MLA's latent cache: c_kv [L, B, S, C], k_rope [L, B, S, R].
+
+  c_scale, r_scale: int8 scales [L, B, S] (None for float caches).
+  """
+
+  c_kv: jax.Array
+  k_rope: jax.Array
+  positions: jax.Array
+  length: jax.Array
+  c_scale: jax.Array | None = None
+  r_scale: jax.Array | None = None
+  scores: jax.Array | None = None
+  policy: CachePolicy = struct.field(pytree_node=False,
+                                     default=CachePolicy())
+
+  @property
+  def capacity(self) -> int:
+    return self.c_kv.shape[2]
+
+  @property
+  def batch(self) -> int:
+    return self.c_kv.shape[1]
+
+
+Cache = Union[KVCache, LatentCache]
+
+
+def _storage_dtype(policy: CachePolicy):
+  return jnp.dtype(policy.kv_dtype)
+
+
+def init_cache(config: ModelConfig, batch: int, capacity: int,
+               dtype=None, policy: CachePolicy | None = None) -> Cache:
+  """An empty cache for `batch` sequences of `capacity` slots each.
+
+  Args:
+    config: the model.
+    batch: B.
+    capacity: S, slots per sequence.
+    dtype: storage dtype (float32, bfloat16, float16 or int8); overrides
+      `policy.kv_dtype` when given.
+    policy: eviction / position / quantization policy (default: unbounded
+      float32, i.e. eviction='none').
+  Returns:
+    KVCache (attention='gqa') or LatentCache (attention='mla').
+  """
+  policy = policy or CachePolicy()
+  if dtype is not None:
+    policy = dataclasses.replace(policy, kv_dtype=jnp.dtype(dtype).name)
+  if batch < 1:
+    raise ValueError(f"batch must be >= 1, got {batch}")
+  policy.validate_capacity(capacity)
+  store = _storage_dtype(policy)
+  L, B, S = config.num_layers, batch, capacity
+  positions = jnp.full((B, S), EMPTY, jnp.int32)
+  length = jnp.zeros((B,), jnp.int32)
+  scores = jnp.zeros((B, S), jnp.float32) if policy.eviction == "h2o" else None
+  q = policy.quantized
+  if config.attention == "mla":
+    C, R = config.kv_lora_rank, config.qk_rope_head_dim
+    return LatentCache(
+        c_kv=jnp.zeros((L, B, S, C), store),
+        k_rope=jnp.zeros((L, B, S, R), store),
+        positions=positions, length=length,
+        c_scale=jnp.zeros((L, B, S), jnp.float32) if q else None,
+        r_scale=jnp.zeros((L, B, S), jnp.float32) if q else None,
+        scores=scores, policy=policy)
+  K, H = config.num_kv_heads, config.head_dim
+  k_scale = jnp.zeros((L, B, K, S), jnp.float32) if q else None
+  return KVCache(
+      k=jnp.zeros((L, B, K, S, H), store),
+      v=jnp.zeros((L, B, K, S, H), store),
+      positions=positions, length=length,
+      k_scale=k_scale,
+      v_scale=jnp.zeros((L, B, K, S), jnp.float32) if q else None,
+      scores=scores, policy=policy)
+
+
+# ---- memory accounting ------------------------------------------------------
+def kv_bytes_per_token(config: ModelConfig, dtype="float32") -> int:
+  """Cache bytes one token of one sequence occupies, over all layers.
+
+  GQA: L × K × 2 × H × bytes; MLA: L × (C + R) × bytes. For int8 the
+  per-token float32 scales are included.
+  """
+  name = jnp.dtype(dtype).name if not isinstance(dtype, str) else dtype
+  if name not in KV_DTYPES:
+    raise ValueError(f"kv dtype {name!r} is not one of {KV_DTYPES}")
+  itemsize = jnp.dtype(name).itemsize
+  per_layer = config.kv_elements_per_token_per_layer * itemsize
+  if name == "int8":
+    scales = 2 if config.attention == "mla" else 2 * config.num_kv_heads
+    per_layer += 4 * scales
+  return config.num_layers * per_layer
+
+
+def _storage_leaves(cache: Cache):
+  """The per-token storage arrays (payload and per-token scales)."""
+  if isinstance(cache, LatentCache):
+    return [x for x in (cache.c_kv, cache.k_rope, cache.c_scale,
+                        cache.r_scale) if x is not None]
+  return [x for x in (cache.k, cache.v, cache.k_scale, cache.v_scale)
+          if x is not None]
+
+
+def cache_bytes(cache: Cache) -> dict[str, int]:
+  """Bytes held by a cache.
+
+  Returns:
+    total: every array of the cache (payload, scales, positions, lengths).
+    kv: the per-token payload and per-token scales (= kv_bytes_per_token ×
+      B × S).
+    used: the part of `kv` that holds tokens now (filled slots).
+    per_token: kv / (B × S).
+  """
+  total = sum(int(np.prod(x.shape)) * x.dtype.itemsize
+              for x in jax.tree_util.tree_leaves(cache))
+  kv = sum(int(np.prod(x.shape)) * x.dtype.itemsize
+           for x in _storage_leaves(cache))
+  slots = cache.batch * cache.capacity
+  filled = int(jnp.sum(cache.positions >= 0))
+  return dict(total=total, kv=kv, used=kv * filled // slots,
+              per_token=kv // slots)
+
+
+# ---- slot arithmetic (the one place that maps stream positions to slots) ---
+def slot_of(policy: CachePolicy, capacity: int, position):
+  """Slot that stream `position` (int array) is written to.
+
+  none: the position itself; window: position mod S; sinks: the first
+  `num_sinks` positions pinned, the rest rotate through the other slots.
+  h2o has no closed form (the slot is chosen by score, see
+  `kvjax.eviction`); before the cache is full it fills slots in order.
+  """
+  if policy.eviction == "window":
+    return position % capacity
+  if policy.eviction == "sinks":
+    n = policy.num_sinks
+    return jnp.where(position < n, position,
+                     n + (position - n) % (capacity - n))
+  return position
+
+
+def kept_after(policy: CachePolicy, capacity: int, position, total):
+  """Whether `position` still holds its slot after `total` tokens are written.
+
+  True for the last writer of each slot. h2o prefill keeps the newest
+  `capacity` tokens (scores accrue from then on).
+  """
+  if policy.eviction == "none":
+    return position < capacity
+  if policy.eviction == "sinks":
+    n = policy.num_sinks
+    return (position < n) | (position >= total - (capacity - n))
+  return position >= total - capacity
+
+
+def visible(policy: CachePolicy, capacity: int, q_pos, k_pos):
+  """Whether key position k_pos is in the cache when query q_pos attends.
+
+  Mirrors the eviction rule so that a prompt processed in one pass sees
+  exactly what token-by-token decoding would see. Causality and emptiness
+  are checked by the caller.
+  """
+  if policy.eviction == "window":
+    return k_pos > q_pos - capacity
+  if policy.eviction == "sinks":
+    n = policy.num_sinks
+    return (k_pos < n) | (k_pos > q_pos - (capacity - n))
+  return jnp.ones(jnp.broadcast_shapes(jnp.shape(q_pos), jnp.shape(k_pos)),
+                  bool)
+
+
+def cache_ranks(cache: Cache, length):
+  """RoPE positions of every slot inside the cache, [B, S] (cache mode).
+
+  A slot's rank is the number of cached tokens older than it, so the cache
+  always looks like a contiguous sequence 0..n-1 to RoPE (StreamingLLM).
+  `length` [B] is the number of tokens seen including the newest.
+  """
+  policy, S = cache.policy, cache.capacity
+  pos = cache.positions
+  if policy.eviction in ("none", "window", "sinks"):
+    n = policy.num_sinks
+    shift = jnp.maximum(length - S, 0)[:, None]
+    rank = jnp.where(pos < n, pos, pos - shift)
+  else:  # h2o: no closed form; count older cached tokens.
+    valid = pos >= 0
+    older = (pos[:, None, :] < pos[:, :, None]) & valid[:, None, :]
+    rank = jnp.sum(older, axis=-1)
+  return jnp.where(pos >= 0, rank, 0).astype(jnp.int32)

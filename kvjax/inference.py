@@ -1,0 +1,455 @@
+"""Public inference API: forward, prefill, extend, decode_step, generate, and
+the no-cache baseline generate_no_cache.
+
+Every function validates its inputs on the host before any compute (shapes,
+dtypes, token range, capacity), then calls a jit-compiled body. Functions that
+take a cache return `(output, new_cache)`; the cache argument of the jitted
+bodies is donated, so XLA updates it in place — do not reuse a cache after
+passing it in.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax import cache as cache_lib
+from kvjax import model
+from kvjax.config import ModelConfig
+from kvjax.sampling import GREEDY, Sampler
+
+
+# ---- validation (host side, before compute) ---------------------------------
+def _is_concrete(x) -> bool:
+  return not isinstance(x, jax.core.Tracer)
+
+
+def check_tokens(tokens, config: ModelConfig, ndim: int = 2,
+                 name: str = "tokens"):
+  """Raises ValueError unless tokens is an integer array of rank `ndim` with
+  ids in [0, vocab_size)."""
+  if not hasattr(tokens, "shape") or not hasattr(tokens, "dtype"):
+    raise ValueError(f"{name} must be an array, got {type(tokens).__name__}")
+  if tokens.ndim != ndim:
+    raise ValueError(f"{name} must have rank {ndim} "
+                     f"({'[B, T]' if ndim == 2 else '[B]'}), got shape "
+                     f"{tuple(tokens.shape)}")
+  if not jnp.issubdtype(tokens.dtype, jnp.integer):
+    raise ValueError(f"{name} must be integer token ids, got dtype "
+                     f"{tokens.dtype}")
+  if 0 in tokens.shape:
+    raise ValueError(f"{name} is empty: shape {tuple(tokens.shape)}")
+  if _is_concrete(tokens):
+    t = np.asarray(tokens)
+    lo, hi = int(t.min()), int(t.max())
+    if lo < 0 or hi >= config.vocab_size:
+      raise ValueError(f"{name} ids must be in [0, {config.vocab_size}), got "
+                       f"min {lo}, max {hi}")
+
+
+def check_mask(attention_mask, tokens):
+  """Returns a bool [B, T] mask (all ones if None); raises ValueError unless
+  it matches tokens, is left-padded (0s then 1s), and every row has a token."""
+  if attention_mask is None:
+    return jnp.ones(tokens.shape, bool)
+  if tuple(attention_mask.shape) != tuple(tokens.shape):
+    raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != "
+                     f"tokens shape {tuple(tokens.shape)}")
+  if _is_concrete(attention_mask):
+    m = np.asarray(attention_mask)
+    if not np.isin(m, (0, 1)).all():
+      raise ValueError("attention_mask must hold only 0 (padding) and 1")
+    if (np.diff(m.astype(np.int32), axis=1) < 0).any():
+      raise ValueError("attention_mask must be left-padded (0s, then 1s); "
+                       "right padding is not supported")
+    if (m.sum(axis=1) == 0).any():
+      raise ValueError("attention_mask has a row with no real token")
+  return attention_mask.astype(bool)
+
+
+def _real_lengths(mask) -> np.ndarray | None:
+  return np.asarray(mask).sum(axis=1) if _is_concrete(mask) else None
+
+
+def _check_fits(cache, n_new_max: int, *, fresh: bool, what: str):
+  """Overflow of a cache without eviction is an error, never a wrap-around."""
+  policy, S = cache.policy, cache.capacity
+  start = 0
+  if not fresh:
+    if not _is_concrete(cache.length):
+      return
+    start = int(np.max(np.asarray(cache.length)))
+  if policy.eviction == "none" and start + n_new_max > S:
+    raise ValueError(
+        f"{what}: {start} cached + {n_new_max} new tokens exceed the cache "
+        f"capacity {S} and eviction='none'; raise capacity or choose an "
+        "eviction policy")
+  needs_room = policy.positions == "cache" or policy.eviction == "h2o"
+  if fresh and needs_room and n_new_max > S:
+    raise ValueError(
+        f"{what}: a {n_new_max}-token prompt does not fit capacity {S}; with "
+        f"eviction={policy.eviction!r} and positions={policy.positions!r} "
+        "longer streams must be decoded token by token")
+
+
+def _check_cache(cache, config: ModelConfig, batch: int):
+  kind = cache_lib.LatentCache if config.attention == "mla" else (
+      cache_lib.KVCache)
+  if not isinstance(cache, kind):
+    raise ValueError(f"attention={config.attention!r} needs a {kind.__name__},"
+                     f" got {type(cache).__name__}")
+  if cache.batch != batch:
+    raise ValueError(f"cache batch {cache.batch} != tokens batch {batch}")
+  L = (cache.c_kv if config.attention == "mla" else cache.k).shape[0]
+  if L != config.num_layers:
+    raise ValueError(f"cache has {L} layers, config.num_layers is "
+                     f"{config.num_layers}")
+
+
+# ---- jitted bodies ----------------------------------------------------------
+@functools.partial(jax.jit, static_argnames=("config",))
+def _forward(params, config, tokens, mask):
+  return model.forward_logits(params, config, tokens, mask)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "all_logits"),
+                   donate_argnames=("cache",))
+def _prefill(params, config, tokens, mask, cache, all_logits):
+  return model.prefill_logits(params, config, tokens, mask, cache, all_logits)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "all_logits"),
+                   donate_argnames=("cache",))
+def _extend(params, config, tokens, mask, cache, all_logits):
+  return model.extend_logits(params, config, tokens, mask, cache, all_logits)
+
+
+@functools.partial(jax.jit, static_argnames=("config",),
+                   donate_argnames=("cache",))
+def _decode(params, config, token, cache):
+  return model.decode_logits(params, config, token, cache)
+
+
+# ---- public API -------------------------------------------------------------
+def forward(params, config: ModelConfig, tokens, attention_mask=None):
+  """No-cache causal forward.
+
+  Args:
+    tokens: [B, T] int ids, left-padded when `attention_mask` is given.
+    attention_mask: [B, T] (1 = token, 0 = padding) or None.
+  Returns:
+    logits [B, T, V] float32 (rows of padding are finite and meaningless).
+  """
+  check_tokens(tokens, config)
+  mask = check_mask(attention_mask, tokens)
+  return _forward(params, config, jnp.asarray(tokens, jnp.int32), mask)
+
+
+def prefill(params, config: ModelConfig, tokens, cache, attention_mask=None,
+            *, all_logits: bool = False):
+  """Runs the whole prompt in one parallel pass into a fresh cache.
+
+  The cache's previous contents are discarded (positions restart at 0).
+
+  Args:
+    tokens: [B, T] left-padded prompt ids.
+    cache: from `init_cache` (donated).
+    attention_mask: [B, T] or None.
+    all_logits: return logits for every position instead of the last.
+  Returns:
+    (logits [B, V] at the last position, or [B, T, V]; new_cache)
+  """
+  check_tokens(tokens, config)
+  _check_cache(cache, config, tokens.shape[0])
+  mask = check_mask(attention_mask, tokens)
+  lengths = _real_lengths(mask)
+  n_max = int(lengths.max()) if lengths is not None else tokens.shape[1]
+  _check_fits(cache, n_max, fresh=True, what="prefill")
+  logits, cache = _prefill(params, config, jnp.asarray(tokens, jnp.int32),
+                           mask, cache, all_logits)
+  return (logits if all_logits else logits[:, 0]), cache
+
+
+def extend(params, config: ModelConfig, tokens, cache, attention_mask=None,
+           *, all_logits: bool = False):
+  """Appends a chunk of tokens to a cache that already holds a prefix.
+
+  Keys are the cached tokens followed by the chunk (one compilation per chunk
+  length). Not available with h2o or cache-position mode (their slot and
+  rotation rules are per token: use `decode_step`).
+  Returns:
+    (logits [B, V] or [B, T, V], new_cache)
+  """
+  check_tokens(tokens, config)
+  _check_cache(cache, config, tokens.shape[0])
+  policy = cache.policy
+  if policy.eviction == "h2o" or policy.positions == "cache":
+    raise ValueError(f"extend does not support eviction={policy.eviction!r} /"
+                     f" positions={policy.positions!r}; use decode_step")
+  mask = check_mask(attention_mask, tokens)
+  _check_fits(cache, tokens.shape[1], fresh=False, what="extend")
+  logits, cache = _extend(params, config, jnp.asarray(tokens, jnp.int32),
+                          mask, cache, all_logits)
+  return (logits if all_logits else logits[:, 0]), cache
+
+
+def prefill_chunked(params, config: ModelConfig, tokens, cache,
+                    chunk_size: int, attention_mask=None):
+  """Prefill in fixed-size chunks: bounded activation memory, one compiled
+  program per chunk size. Equal to `prefill` (tested).
+
+  The prompt is left-padded to a multiple of `chunk_size`.
+  Returns:
+    (logits [B, V] at the last position, new_cache)
+  """
+  if chunk_size < 1:
+    raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+  check_tokens(tokens, config)
+  mask = check_mask(attention_mask, tokens)
+  B, T = tokens.shape
+  pad = (-T) % chunk_size
+  tokens = jnp.pad(jnp.asarray(tokens, jnp.int32), ((0, 0), (pad, 0)))
+  mask = jnp.pad(mask, ((0, 0), (pad, 0)))
+  n_max = int(np.asarray(mask).sum(axis=1).max())
+  _check_fits(cache, n_max, fresh=True, what="prefill_chunked")
+  if cache.policy.eviction == "h2o" or cache.policy.positions == "cache":
+    if T + pad > chunk_size:
+      raise ValueError("prefill_chunked with h2o or positions='cache' needs "
+                       "the prompt to fit one chunk")
+  _check_cache(cache, config, B)
+  logits, cache = _prefill(params, config, tokens[:, :chunk_size],
+                           mask[:, :chunk_size], cache, False)
+  for start in range(chunk_size, T + pad, chunk_size):
+    sl = slice(start, start + chunk_size)
+    logits, cache = _extend(params, config, tokens[:, sl], mask[:, sl], cache,
+                            False)
+  return logits[:, 0], cache
+
+
+def decode_step(params, config: ModelConfig, token, cache):
+  """Feeds one token per sequence.
+
+  Args:
+    token: [B] int ids.
+    cache: the cache after prefill / earlier steps (donated).
+  Returns:
+    (logits [B, V] for the next token, new_cache)
+  """
+  check_tokens(token, config, ndim=1, name="token")
+  _check_cache(cache, config, token.shape[0])
+  _check_fits(cache, 1, fresh=False, what="decode_step")
+  return _decode(params, config, jnp.asarray(token, jnp.int32), cache)
+
+
+def default_capacity(prompt_len: int, max_new_tokens: int) -> int:
+  """Power-of-two capacity covering prompt and generation (few shapes)."""
+  return max(16, 1 << math.ceil(math.log2(prompt_len + max_new_tokens)))
+
+
+def bucket_length(n: int, minimum: int = 16) -> int:
+  """Prompt lengths are left-padded to powers of two: new lengths reuse the
+  compiled program."""
+  return max(minimum, 1 << math.ceil(math.log2(max(n, 1))))
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("config", "steps", "sampler", "return_logits",
+                     "stop_tokens", "pad_id"),
+    donate_argnames=("cache",))
+def _generate(params, config, tokens, mask, cache, rng, steps, sampler,
+              return_logits, stop_tokens, pad_id):
+  """Prefill, then `steps - 1` decode steps (scan) or a while_loop with stop
+  tokens; the last sampled token is never fed back."""
+  logits_B1V, cache = model.prefill_logits(params, config, tokens, mask, cache,
+                                           False)
+  logits_BV = logits_B1V[:, 0]
+  keys = jax.random.split(rng, steps)
+  B, V = logits_BV.shape
+
+  if not stop_tokens:
+    tok0 = sampler(logits_BV, keys[0])
+
+    def body(carry, key):
+      tok_B, cache = carry
+      next_BV, cache = model.decode_logits(params, config, tok_B, cache)
+      nxt_B = sampler(next_BV, key)
+      return (nxt_B, cache), (nxt_B, next_BV if return_logits else None)
+
+    (_, cache), (toks_SB, logits_SBV) = jax.lax.scan(body, (tok0, cache),
+                                                     keys[1:])
+    toks_BS = jnp.concatenate([tok0[:, None], toks_SB.T], axis=1)
+    if not return_logits:
+      return toks_BS, None, cache
+    logits_BSV = jnp.concatenate(
+        [logits_BV[:, None], jnp.swapaxes(logits_SBV, 0, 1)], axis=1)
+    return toks_BS, logits_BSV, cache
+
+  stops = jnp.asarray(stop_tokens, jnp.int32)
+  out_BS = jnp.full((B, steps), pad_id, jnp.int32)
+  out_logits = jnp.zeros((B, steps, V) if return_logits else (0,),
+                         jnp.float32)
+
+  def cond(state):
+    i, _, _, done_B, _, _ = state
+    return (i < steps) & ~jnp.all(done_B)
+
+  def body(state):
+    i, logits_BV, cache, done_B, out_BS, out_logits = state
+    tok_B = jnp.where(done_B, pad_id, sampler(logits_BV, keys[i]))
+    out_BS = out_BS.at[:, i].set(tok_B)
+    if return_logits:
+      out_logits = out_logits.at[:, i].set(logits_BV)
+    done_B = done_B | jnp.isin(tok_B, stops)
+    # The step function is shared with the scan path; the last step's
+    # decode is skipped so the cache never needs room for it.
+    logits_BV, cache = jax.lax.cond(
+        (i + 1 < steps) & ~jnp.all(done_B),
+        lambda c: model.decode_logits(params, config, tok_B, c),
+        lambda c: (logits_BV, c), cache)
+    return i + 1, logits_BV, cache, done_B, out_BS, out_logits
+
+  state = (jnp.int32(0), logits_BV, cache, jnp.zeros((B,), bool), out_BS,
+           out_logits)
+  _, _, cache, _, out_BS, out_logits = jax.lax.while_loop(cond, body, state)
+  return out_BS, (out_logits if return_logits else None), cache
+
+
+def generate(params, config: ModelConfig, tokens, max_new_tokens: int, *,
+             attention_mask=None, sampler: Sampler = GREEDY, rng=None,
+             capacity: int | None = None,
+             policy: cache_lib.CachePolicy | None = None,
+             stop_tokens=(), pad_id: int = 0, return_logits: bool = False,
+             return_cache: bool = False, bucket: bool = True):
+  """Prefill + decode with the KV cache.
+
+  Args:
+    tokens: [B, T] prompt ids, left-padded when `attention_mask` is given.
+    max_new_tokens: number of tokens to produce.
+    attention_mask: [B, T] (1 = token, 0 = padding) or None.
+    sampler: `Sampler` (default greedy); `rng` is its PRNG key.
+    capacity: cache slots per sequence (default: a power of two covering
+      prompt + generation).
+    policy: `CachePolicy` (eviction, position mode, kv dtype).
+    stop_tokens: ids that end a sequence; then a `lax.while_loop` stops when
+      every sequence is done and finished sequences emit `pad_id`. Without
+      stop tokens a fixed-length `lax.scan` runs.
+    return_logits: also return the logits each token was sampled from.
+    return_cache: also return the final cache.
+    bucket: left-pad the prompt to a power-of-two length (no recompilation
+      for a new prompt length).
+  Returns:
+    new ids [B, max_new_tokens]; with return_logits / return_cache a tuple
+    (ids, logits [B, max_new_tokens, V] or None, cache or None).
+  """
+  check_tokens(tokens, config)
+  if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens must be an int >= 1, got "
+                     f"{max_new_tokens!r}")
+  mask = check_mask(attention_mask, tokens)
+  tokens = jnp.asarray(tokens, jnp.int32)
+  B, T = tokens.shape
+  if bucket:
+    pad = bucket_length(T) - T
+    tokens = jnp.pad(tokens, ((0, 0), (pad, 0)))
+    mask = jnp.pad(mask, ((0, 0), (pad, 0)))
+  n_max = int(np.asarray(mask).sum(axis=1).max())
+  policy = policy or cache_lib.CachePolicy()
+  if capacity is None:
+    capacity = default_capacity(tokens.shape[1], max_new_tokens)
+  cache = cache_lib.init_cache(config, B, capacity, policy=policy)
+  _check_fits(cache, n_max, fresh=True, what="generate prompt")
+  if policy.eviction == "none":
+    # The last token is sampled, never written: n + max_new - 1 slots.
+    _check_fits(cache, n_max + max_new_tokens - 1, fresh=True,
+                what="generate")
+  if not sampler.greedy and rng is None:
+    raise ValueError("a sampling Sampler needs an explicit rng key")
+  rng = jax.random.key(0) if rng is None else rng
+  toks, logits, cache = _generate(params, config, tokens, mask, cache, rng,
+                                  int(max_new_tokens), sampler, return_logits,
+                                  tuple(int(t) for t in stop_tokens), pad_id)
+  if return_logits or return_cache:
+    return toks, logits, (cache if return_cache else None)
+  return toks
+
+
+# ---- the no-cache baseline --------------------------------------------------
+@functools.partial(jax.jit,
+                   static_argnames=("config", "steps", "sampler",
+                                    "return_logits"))
+def _no_cache_segment(params, config, buf_BP, mask_BP, start, keys, steps,
+                      sampler, return_logits):
+  """`steps` tokens, each by a full forward over the whole P-token buffer."""
+
+  def body(carry, xs):
+    buf_BP, mask_BP = carry
+    i, key = xs
+    idx = start + i
+    logits_BPV = model.forward_logits(params, config, buf_BP, mask_BP)
+    logits_BV = jax.lax.dynamic_index_in_dim(logits_BPV, idx - 1, axis=1,
+                                             keepdims=False)
+    tok_B = sampler(logits_BV, key)
+    buf_BP = jax.lax.dynamic_update_index_in_dim(buf_BP, tok_B, idx, axis=1)
+    mask_BP = jax.lax.dynamic_update_index_in_dim(
+        mask_BP, jnp.ones_like(tok_B, bool), idx, axis=1)
+    return (buf_BP, mask_BP), (tok_B, logits_BV if return_logits else None)
+
+  (buf_BP, mask_BP), (toks_SB, logits_SBV) = jax.lax.scan(
+      body, (buf_BP, mask_BP), (jnp.arange(steps), keys))
+  return buf_BP, mask_BP, toks_SB.T, (None if logits_SBV is None else
+                                      jnp.swapaxes(logits_SBV, 0, 1))
+
+
+def generate_no_cache(params, config: ModelConfig, tokens,
+                      max_new_tokens: int, *, attention_mask=None,
+                      sampler: Sampler = GREEDY, rng=None,
+                      return_logits: bool = False, bucket: bool = True):
+  """The baseline a KV cache replaces: every new token recomputes the causal
+  forward over the whole history.
+
+  The history buffer is processed in power-of-two length buckets (one
+  compilation each, masked beyond the current length), so the cost of a step
+  grows with its position as in a real recompute. Same signature and result
+  as `generate` with the default (unbounded) cache.
+  """
+  check_tokens(tokens, config)
+  if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens must be an int >= 1, got "
+                     f"{max_new_tokens!r}")
+  mask = check_mask(attention_mask, tokens)
+  tokens = jnp.asarray(tokens, jnp.int32)
+  if bucket:
+    pad = bucket_length(tokens.shape[1]) - tokens.shape[1]
+    tokens = jnp.pad(tokens, ((0, 0), (pad, 0)))
+    mask = jnp.pad(mask, ((0, 0), (pad, 0)))
+  if not sampler.greedy and rng is None:
+    raise ValueError("a sampling Sampler needs an explicit rng key")
+  rng = jax.random.key(0) if rng is None else rng
+  keys = jax.random.split(rng, max_new_tokens)
+  B, T = tokens.shape
+  total = T + max_new_tokens
+  buf = jnp.pad(tokens, ((0, 0), (0, max_new_tokens)))
+  mask = jnp.pad(mask, ((0, 0), (0, max_new_tokens)))
+  toks, logits = [], []
+  done = 0
+  while done < max_new_tokens:
+    length = T + done  # tokens present before this segment's first step
+    P = min(total, bucket_length(length + 1))
+    steps = min(max_new_tokens - done, P - length)
+    sub_buf, sub_mask, t, lg = _no_cache_segment(
+        params, config, buf[:, :P], mask[:, :P], jnp.int32(length),
+        keys[done:done + steps], steps, sampler, return_logits)
+    buf = buf.at[:, :P].set(sub_buf)
+    mask = mask.at[:, :P].set(sub_mask)
+    toks.append(t)
+    logits.append(lg)
+    done += steps
+  toks = jnp.concatenate(toks, axis=1)
+  if return_logits:
+    return toks, jnp.concatenate(logits, axis=1), None
+  return toks

@@ -1,0 +1,110 @@
+"""Stateless building blocks: RMSNorm, rotary embeddings, SwiGLU.
+
+All functions are pure; shapes use the alphabet of `kvjax.config`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.config import ModelConfig, RopeScaling
+
+
+def rms_norm(x, scale, eps: float):
+  """RMSNorm in float32, cast back to x's dtype. x [..., D], scale [D]."""
+  x32 = x.astype(jnp.float32)
+  var = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+  y = x32 * jax.lax.rsqrt(var + eps)
+  return (y * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def swiglu(x, w_gate, w_up, w_down):
+  """SwiGLU MLP. x [..., D]; w_gate, w_up [D, F]; w_down [F, D]."""
+  h = jax.nn.silu(x @ w_gate) * (x @ w_up)
+  return h @ w_down
+
+
+# ---- rotary position embedding ---------------------------------------------
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+  return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_frequencies(dim: int, theta: float,
+                     scaling: RopeScaling) -> tuple[np.ndarray, float]:
+  """Inverse frequencies [dim // 2] and the cos/sin amplitude factor.
+
+  Computed in numpy at trace time: the config is static, so the tables are
+  constants of the compiled program. Follows the Hugging Face definitions of
+  `linear`, `llama3` and `yarn`; `dynamic` equals the default inside the
+  original context (kvjax uses static shapes, so it never rescales).
+  """
+  inv_freq = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+  amplitude = 1.0
+  kind = scaling.kind
+  if kind == "linear":
+    inv_freq = inv_freq / scaling.factor
+  elif kind == "llama3":
+    old_len = scaling.original_max_position
+    low_wavelen = old_len / scaling.low_freq_factor
+    high_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / scaling.factor,
+                      inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    inv_freq = np.where(medium, smoothed, scaled)
+  elif kind == "yarn":
+    factor = scaling.factor
+    if scaling.attention_factor is not None:
+      amplitude = scaling.attention_factor
+    elif scaling.mscale and scaling.mscale_all_dim:
+      amplitude = (_yarn_mscale(factor, scaling.mscale) /
+                   _yarn_mscale(factor, scaling.mscale_all_dim))
+    else:
+      amplitude = _yarn_mscale(factor)
+
+    def correction_dim(rotations):
+      return (dim * math.log(scaling.original_max_position /
+                             (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low = max(math.floor(correction_dim(scaling.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(scaling.beta_slow)), dim - 1)
+    if low == high:
+      high += 0.001
+    ramp = np.clip((np.arange(dim // 2) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    inv_freq = (inv_freq / factor) * (1 - extrapolation) + (
+        inv_freq * extrapolation)
+  return inv_freq.astype(np.float32), float(amplitude)
+
+
+def rope_tables(config: ModelConfig, positions):
+  """cos, sin [..., R/2] for integer positions [...] (float32)."""
+  inv_freq, amplitude = rope_frequencies(config.rope_dim, config.rope_theta,
+                                         config.rope_scaling)
+  angles = positions.astype(jnp.float32)[..., None] * inv_freq
+  return jnp.cos(angles) * amplitude, jnp.sin(angles) * amplitude
+
+
+def apply_rope(x, cos, sin, layout: str):
+  """Rotates x [..., R] by cos/sin broadcastable to [..., R/2].
+
+  `half`: pairs (i, i + R/2) (Llama, Mistral, Qwen2: "rotate half").
+  `interleaved`: pairs (2i, 2i + 1) (DeepSeek, the original RoFormer).
+  """
+  dtype = x.dtype
+  x = x.astype(jnp.float32)
+  if layout == "half":
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  else:
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    out = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    out = out.reshape(x.shape)
+  return out.astype(dtype)

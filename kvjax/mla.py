@@ -1,0 +1,135 @@
+"""DeepSeek-V2/V3 multi-head latent attention (MLA) over a latent cache.
+
+Per token the cache holds one latent c_kv [C] (RMS-normed) and one rotary
+key k_rope [R] shared by all heads, instead of per-head keys and values. Per
+head, keys are [k_nope | k_rope] with k_nope = c_kv · W_UK [C, N, P] and
+values are c_kv · W_UV [C, N, V].
+
+Two decode paths, equal up to float rounding:
+  naive     expand the cached latents to per-head K and V every step (what
+            MaxText and transformers do);
+  absorbed  fold W_UK into the query and W_UV into the output, so attention
+            runs directly over the latents ('BTNC,BSC->BNTS') and per-head
+            K/V never exist.
+The no-cache forward, prefill and extend use the expanded form (a prompt's
+expansion is amortized over its T queries).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kvjax import quant
+from kvjax.attention import Step, accumulate_scores, _scatter_tokens
+from kvjax.cache import LatentCache
+from kvjax.config import ModelConfig
+from kvjax.layers import apply_rope, rms_norm
+
+MLA_NORM_EPS = 1e-6  # DeepSeek hard-codes the q_a / kv_a norm eps.
+
+
+def write_latent(cache: LatentCache, layer, slots_BT, c_BTC, r_BTR):
+  """Stores one layer's latents and rotary keys at `slots`."""
+  dtype = cache.c_kv.dtype
+  c_q, c_s = quant.quantize(c_BTC, dtype)
+  r_q, r_s = quant.quantize(r_BTR, dtype)
+  new = dict(c_kv=_scatter_tokens(cache.c_kv, layer, slots_BT, c_q, 2),
+             k_rope=_scatter_tokens(cache.k_rope, layer, slots_BT, r_q, 2))
+  if c_s is not None:
+    new["c_scale"] = _scatter_tokens(cache.c_scale, layer, slots_BT, c_s, 2)
+    new["r_scale"] = _scatter_tokens(cache.r_scale, layer, slots_BT, r_s, 2)
+  return cache.replace(**new)
+
+
+def read_latent(cache: LatentCache, layer, dtype):
+  """One layer's latents [B, S, C] and rotary keys [B, S, R] in `dtype`."""
+  c_s = None if cache.c_scale is None else cache.c_scale[layer]
+  r_s = None if cache.r_scale is None else cache.r_scale[layer]
+  return (quant.dequantize(cache.c_kv[layer], c_s, dtype),
+          quant.dequantize(cache.k_rope[layer], r_s, dtype))
+
+
+def _softmax(logits_BNTS, mask_BTS):
+  big_neg = jnp.finfo(jnp.float32).min
+  logits_BNTS = jnp.where(mask_BTS[:, None], logits_BNTS, big_neg)
+  return jax.nn.softmax(logits_BNTS, axis=-1)
+
+
+def latent_attend(p, q_nope_BTNP, q_rope_BTNR, c_BSC, r_BSR, mask_BTS,
+                  scale: float, path: str):
+  """Attention of per-head queries over latents.
+
+  Returns:
+    out_BTNV (per-head values before the output projection), probs_BNTS.
+  """
+  dtype = q_nope_BTNP.dtype
+  f32 = jnp.float32
+  rope_BNTS = jnp.einsum("BTNR,BSR->BNTS", q_rope_BTNR, r_BSR,
+                         preferred_element_type=f32)
+  if path == "absorbed":
+    q_lat_BTNC = jnp.einsum("BTNP,CNP->BTNC", q_nope_BTNP, p["w_uk"])
+    nope_BNTS = jnp.einsum("BTNC,BSC->BNTS", q_lat_BTNC, c_BSC,
+                           preferred_element_type=f32)
+    probs_BNTS = _softmax((nope_BNTS + rope_BNTS) * scale, mask_BTS)
+    o_lat_BTNC = jnp.einsum("BNTS,BSC->BTNC", probs_BNTS.astype(dtype), c_BSC)
+    out_BTNV = jnp.einsum("BTNC,CNV->BTNV", o_lat_BTNC, p["w_uv"])
+  else:
+    k_nope_BSNP = jnp.einsum("BSC,CNP->BSNP", c_BSC, p["w_uk"])
+    v_BSNV = jnp.einsum("BSC,CNV->BSNV", c_BSC, p["w_uv"])
+    nope_BNTS = jnp.einsum("BTNP,BSNP->BNTS", q_nope_BTNP, k_nope_BSNP,
+                           preferred_element_type=f32)
+    probs_BNTS = _softmax((nope_BNTS + rope_BNTS) * scale, mask_BTS)
+    out_BTNV = jnp.einsum("BNTS,BSNV->BTNV", probs_BNTS.astype(dtype), v_BSNV)
+  return out_BTNV.astype(dtype), probs_BNTS
+
+
+def mla_attention(p, x_BTD, step: Step, cache, layer, config: ModelConfig):
+  """One MLA layer; same contract as `kvjax.attention.gqa_attention`.
+
+  Params: q [D,N,P+R] or (q_a [D,Q], q_a_norm [Q], q_b [Q,N,P+R]);
+  kv_a [D,C+R]; kv_a_norm [C]; w_uk [C,N,P]; w_uv [C,N,V]; o [N,V,D].
+  """
+  C, P = config.kv_lora_rank, config.qk_nope_head_dim
+  dtype = x_BTD.dtype
+  if "q_a" in p:
+    q_lat_BTQ = rms_norm(x_BTD @ p["q_a"], p["q_a_norm"], MLA_NORM_EPS)
+    q_BTNJ = jnp.einsum("BTQ,QNJ->BTNJ", q_lat_BTQ, p["q_b"])
+  else:
+    q_BTNJ = jnp.einsum("BTD,DNJ->BTNJ", x_BTD, p["q"])
+  q_nope_BTNP, q_rope_BTNR = q_BTNJ[..., :P], q_BTNJ[..., P:]
+  ckv_BTJ = x_BTD @ p["kv_a"]
+  c_BTC = rms_norm(ckv_BTJ[..., :C], p["kv_a_norm"], MLA_NORM_EPS)
+  r_BTR = ckv_BTJ[..., C:]
+  cos_q, sin_q = step.cos_q, step.sin_q
+  q_rope_BTNR = apply_rope(q_rope_BTNR, cos_q[:, :, None], sin_q[:, :, None],
+                           config.rope_layout)
+  r_rot_BTR = apply_rope(r_BTR, cos_q, sin_q, config.rope_layout)
+  pre_rope = cache is not None and cache.policy.positions == "cache"
+  r_store_BTR = r_BTR if pre_rope else r_rot_BTR
+
+  path = "naive"
+  if step.mode == "decode":
+    path = config.mla_decode
+    cache = write_latent(cache, layer, step.slots, c_BTC, r_store_BTR)
+    c_BSC, r_BSR = read_latent(cache, layer, dtype)
+    if pre_rope:
+      # Only the shared rotary key is position-dependent: the latent part
+      # needs no re-rotation, which makes cache-position mode cheap for MLA.
+      r_BSR = apply_rope(r_BSR, step.cos_k, step.sin_k, config.rope_layout)
+  else:
+    c_BSC, r_BSR = c_BTC, r_rot_BTR
+    if step.mode == "extend":
+      c_old, r_old = read_latent(cache, layer, dtype)
+      c_BSC = jnp.concatenate([c_old, c_BSC], axis=1)
+      r_BSR = jnp.concatenate([r_old, r_BSR], axis=1)
+    if step.mode in ("prefill", "extend"):
+      cache = write_latent(cache, layer, step.slots, c_BTC, r_store_BTR)
+
+  out_BTNV, probs_BNTS = latent_attend(p, q_nope_BTNP, q_rope_BTNR, c_BSC,
+                                       r_BSR, step.mask, config.softmax_scale,
+                                       path)
+  if cache is not None:
+    cache = accumulate_scores(cache, probs_BNTS[:, :, None], step)
+  y_BTD = jnp.einsum("BTNV,NVD->BTD", out_BTNV, p["o"])
+  return y_BTD, cache

@@ -1,0 +1,335 @@
+"""The decoder: parameters, one block, the layer scan, and the four ways of
+calling it (no-cache forward, prefill, extend, decode step).
+
+Parameters are a plain pytree; weights are stored `[in, out]` (x @ W reads
+rows contiguously: ~20x faster for batch-1 decode on CPU than `[out, in]`).
+Layers are stacked along a leading L axis and run by `jax.lax.scan`, so
+compile time does not grow with depth. DeepSeek models with dense layers
+below MoE layers have two stacks ('layers', then 'moe_layers'), scanned one
+after the other over the same cache.
+
+  params = {
+    'embed': [V, D],
+    'layers': {'attn_norm': [L, D], 'attn': {...}, 'mlp_norm': [L, D],
+               'mlp': {'gate': [L, D, F], 'up': [L, D, F], 'down': [L, F, D]}},
+    'moe_layers': {... 'mlp': kvjax.moe params} (MoE models only),
+    'final_norm': [D],
+    'lm_head': [D, V] (absent when tie_embeddings),
+  }
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax import cache as cache_lib
+from kvjax.attention import Step, gqa_attention
+from kvjax.config import ModelConfig
+from kvjax.layers import rms_norm, rope_tables, swiglu
+from kvjax.mla import mla_attention
+
+
+# ---- parameters -------------------------------------------------------------
+def _attention_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+  D, N = config.embed_dim, config.num_heads
+  if config.attention == "mla":
+    C, R = config.kv_lora_rank, config.qk_rope_head_dim
+    P, Vh, Q = config.qk_nope_head_dim, config.v_head_dim, config.q_lora_rank
+    shapes = dict(kv_a=(D, C + R), kv_a_norm=(C,), w_uk=(C, N, P),
+                  w_uv=(C, N, Vh), o=(N, Vh, D))
+    if Q:
+      shapes.update(q_a=(D, Q), q_a_norm=(Q,), q_b=(Q, N, P + R))
+    else:
+      shapes.update(q=(D, N, P + R))
+    return shapes
+  K, H = config.num_kv_heads, config.head_dim
+  shapes = dict(q=(D, N, H), k=(D, K, H), v=(D, K, H), o=(N, H, D))
+  if config.qkv_bias:
+    shapes.update(q_bias=(N, H), k_bias=(K, H), v_bias=(K, H))
+  if config.o_bias:
+    shapes.update(o_bias=(D,))
+  return shapes
+
+
+def _is_norm(name: str) -> bool:
+  return name.endswith("norm")
+
+
+def _init_tree(shapes, key, scale, dtype, lead=()):
+  """Normal(scale) weights, ones for norms, zeros for biases."""
+  out = {}
+  keys = jax.random.split(key, len(shapes))
+  for k, (name, shape) in zip(keys, sorted(shapes.items())):
+    full = lead + shape
+    if _is_norm(name):
+      out[name] = jnp.ones(full, dtype)
+    elif name.endswith("bias"):
+      out[name] = jnp.zeros(full, dtype)
+    else:
+      out[name] = (scale * jax.random.normal(k, full, jnp.float32)).astype(
+          dtype)
+  return out
+
+
+def _block_shapes(config: ModelConfig, moe: bool):
+  D, F = config.embed_dim, config.mlp_dim
+  shapes = dict(attn_norm=(D,), mlp_norm=(D,))
+  if moe:
+    from kvjax import moe as moe_lib  # pylint: disable=g-import-not-at-top
+    mlp = moe_lib.moe_shapes(config)
+  else:
+    mlp = dict(gate=(D, F), up=(D, F), down=(F, D))
+  return shapes, _attention_shapes(config), mlp
+
+
+def init_params(config: ModelConfig, key: jax.Array):
+  """Random parameters (normal with std `config.init_scale`; norms = 1).
+
+  Returns:
+    The params pytree described in the module docstring.
+  """
+  dtype = jnp.dtype(config.param_dtype)
+  V, D, s = config.vocab_size, config.embed_dim, config.init_scale
+  k_embed, k_head, k_layers, k_moe = jax.random.split(key, 4)
+  params = dict(
+      embed=(s * jax.random.normal(k_embed, (V, D))).astype(dtype),
+      final_norm=jnp.ones((D,), dtype))
+  if not config.tie_embeddings:
+    params["lm_head"] = (s * jax.random.normal(k_head, (D, V))).astype(dtype)
+  stacks = [("layers", config.num_dense_layers, False, k_layers)]
+  if config.is_moe:
+    stacks.append(("moe_layers", config.num_layers - config.num_dense_layers,
+                   True, k_moe))
+  for name, depth, moe, k in stacks:
+    if depth == 0:
+      continue
+    norms, attn, mlp = _block_shapes(config, moe)
+    k_attn, k_mlp = jax.random.split(k)
+    block = _init_tree(norms, k, s, dtype, (depth,))
+    block["attn"] = _init_tree(attn, k_attn, s, dtype, (depth,))
+    block["mlp"] = _init_tree(mlp, k_mlp, s, dtype, (depth,))
+    params[name] = block
+  return params
+
+
+def param_count(config: ModelConfig) -> int:
+  """Number of parameters, computed with `jax.eval_shape` (no allocation)."""
+  shapes = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+  return sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(shapes))
+
+
+# ---- the block and the layer scan -------------------------------------------
+def _mlp(p, x_BTD, config: ModelConfig):
+  if "router" in p:
+    from kvjax import moe as moe_lib  # pylint: disable=g-import-not-at-top
+    return moe_lib.moe_mlp(p, x_BTD, config)
+  return swiglu(x_BTD, p["gate"], p["up"], p["down"])
+
+
+def block(p, x_BTD, step: Step, cache, layer, config: ModelConfig):
+  """One pre-norm decoder block. Returns (x_BTD, new_cache)."""
+  attn_fn = mla_attention if config.attention == "mla" else gqa_attention
+  dtype = config.dtype
+  p = jax.tree_util.tree_map(lambda w: w.astype(dtype), p)
+  with jax.named_scope("attention"):
+    h_BTD = rms_norm(x_BTD, p["attn_norm"], config.rms_norm_eps)
+    a_BTD, cache = attn_fn(p["attn"], h_BTD, step, cache, layer, config)
+    x_BTD = x_BTD + a_BTD
+  with jax.named_scope("mlp"):
+    h_BTD = rms_norm(x_BTD, p["mlp_norm"], config.rms_norm_eps)
+    x_BTD = x_BTD + _mlp(p["mlp"], h_BTD, config)
+  return x_BTD, cache
+
+
+def run_layers(params, x_BTD, step: Step, cache, config: ModelConfig):
+  """Scans every layer stack over (x, cache). Returns (x_BTD, new_cache)."""
+
+  def body(carry, xs):
+    x_BTD, cache = carry
+    p, layer = xs
+    return block(p, x_BTD, step, cache, layer, config), None
+
+  start = 0
+  for name in ("layers", "moe_layers"):
+    if name not in params:
+      continue
+    depth = jax.tree_util.tree_leaves(params[name])[0].shape[0]
+    layer_ids = jnp.arange(start, start + depth, dtype=jnp.int32)
+    (x_BTD, cache), _ = jax.lax.scan(body, (x_BTD, cache),
+                                     (params[name], layer_ids))
+    start += depth
+  return x_BTD, cache
+
+
+def embed(params, tokens_BT, config: ModelConfig):
+  return params["embed"][tokens_BT].astype(config.dtype)
+
+
+def unembed(params, x_BTD, config: ModelConfig):
+  """Final norm and LM head; float32 logits [B, T, V]."""
+  x_BTD = rms_norm(x_BTD, params["final_norm"].astype(config.dtype),
+                   config.rms_norm_eps)
+  if "lm_head" in params:
+    w_DV = params["lm_head"].astype(config.dtype)
+    return jnp.einsum("BTD,DV->BTV", x_BTD, w_DV,
+                      preferred_element_type=jnp.float32)
+  w_VD = params["embed"].astype(config.dtype)
+  return jnp.einsum("BTD,VD->BTV", x_BTD, w_VD,
+                    preferred_element_type=jnp.float32)
+
+
+# ---- masks and positions (built once per call) ------------------------------
+def stream_positions(attention_mask_BT, offset_B=None):
+  """Positions of the real tokens (cumsum(mask) - 1 + offset), -1 for pads."""
+  pos_BT = jnp.cumsum(attention_mask_BT.astype(jnp.int32), axis=1) - 1
+  if offset_B is not None:
+    pos_BT = pos_BT + offset_B[:, None]
+  return jnp.where(attention_mask_BT, pos_BT, cache_lib.EMPTY)
+
+
+def _causal(q_pos_BT, k_pos_BS, config: ModelConfig):
+  """[B, T, S]: key exists, is not in the future, and is inside the model's
+  own sliding window (if any)."""
+  q, k = q_pos_BT[:, :, None], k_pos_BS[:, None, :]
+  ok = (k >= 0) & (q >= 0) & (k <= q)
+  if config.sliding_window:
+    ok &= k > q - config.sliding_window
+  return ok
+
+
+def _rope(config: ModelConfig, pos):
+  return rope_tables(config, jnp.maximum(pos, 0))
+
+
+def forward_step(config: ModelConfig, attention_mask_BT) -> Step:
+  q_pos = stream_positions(attention_mask_BT)
+  cos, sin = _rope(config, q_pos)
+  return Step(q_pos=q_pos, mask=_causal(q_pos, q_pos, config), cos_q=cos,
+              sin_q=sin, mode="forward")
+
+
+def prefill_step(config: ModelConfig, attention_mask_BT, cache) -> Step:
+  """Positions start at 0; the cache is taken as empty."""
+  policy, S = cache.policy, cache.capacity
+  q_pos = stream_positions(attention_mask_BT)
+  total_B = jnp.sum(attention_mask_BT, axis=1)
+  mask = _causal(q_pos, q_pos, config)
+  mask &= cache_lib.visible(policy, S, q_pos[:, :, None], q_pos[:, None, :])
+  keep = (q_pos >= 0) & cache_lib.kept_after(policy, S, q_pos,
+                                             total_B[:, None])
+  slots = jnp.where(keep, cache_lib.slot_of(policy, S, q_pos), S)
+  cos, sin = _rope(config, q_pos)
+  return Step(q_pos=q_pos, mask=mask, cos_q=cos, sin_q=sin,
+              slots=slots.astype(jnp.int32), mode="prefill",
+              want_scores=policy.eviction == "h2o")
+
+
+def extend_step(config: ModelConfig, attention_mask_BT, cache) -> Step:
+  """Positions continue from `cache.length`; keys = cache ++ new tokens."""
+  policy, S = cache.policy, cache.capacity
+  q_pos = stream_positions(attention_mask_BT, cache.length)
+  total_B = cache.length + jnp.sum(attention_mask_BT, axis=1)
+  k_pos = jnp.concatenate([cache.positions, q_pos], axis=1)
+  mask = _causal(q_pos, k_pos, config)
+  mask &= cache_lib.visible(policy, S, q_pos[:, :, None], k_pos[:, None, :])
+  keep = (q_pos >= 0) & cache_lib.kept_after(policy, S, q_pos,
+                                             total_B[:, None])
+  slots = jnp.where(keep, cache_lib.slot_of(policy, S, q_pos), S)
+  cos, sin = _rope(config, q_pos)
+  return Step(q_pos=q_pos, mask=mask, cos_q=cos, sin_q=sin,
+              slots=slots.astype(jnp.int32), mode="extend")
+
+
+def decode_slots(cache):
+  """[B] slot the next token of each sequence is written to."""
+  policy, S = cache.policy, cache.capacity
+  if policy.eviction != "h2o":
+    return cache_lib.slot_of(policy, S, cache.length)
+  from kvjax import eviction  # pylint: disable=g-import-not-at-top
+  return eviction.h2o_slot(cache)
+
+
+def commit_positions(cache, q_pos_BT, slots_BT, new_length_B,
+                     reset_scores: bool = True):
+  """Records which position each written slot now holds, and the lengths."""
+  B, T = slots_BT.shape
+  b_BT = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+  positions = cache.positions.at[b_BT, slots_BT].set(q_pos_BT, mode="drop")
+  new = dict(positions=positions, length=new_length_B.astype(jnp.int32))
+  if cache.scores is not None and reset_scores:
+    # A slot that changes hands starts accumulating from zero.
+    new["scores"] = cache.scores.at[b_BT, slots_BT].set(0.0, mode="drop")
+  return cache.replace(**new)
+
+
+def decode_step_info(config: ModelConfig, cache):
+  """The decode Step and the cache with the new token's slot committed."""
+  S = cache.capacity
+  q_pos_B = cache.length
+  slots_B = decode_slots(cache).astype(jnp.int32)
+  cache = commit_positions(cache, q_pos_B[:, None], slots_B[:, None],
+                           cache.length + 1)
+  mask = _causal(q_pos_B[:, None], cache.positions, config)
+  if cache.policy.positions == "cache":
+    ranks_BS = cache_lib.cache_ranks(cache, cache.length)
+    cos_k, sin_k = _rope(config, ranks_BS)
+    q_rank_B = jnp.take_along_axis(ranks_BS, slots_B[:, None], axis=1)
+    cos_q, sin_q = _rope(config, q_rank_B)
+  else:
+    cos_k = sin_k = None
+    cos_q, sin_q = _rope(config, q_pos_B[:, None])
+  del S
+  return Step(q_pos=q_pos_B[:, None], mask=mask, cos_q=cos_q, sin_q=sin_q,
+              slots=slots_B[:, None], cos_k=cos_k, sin_k=sin_k, mode="decode",
+              want_scores=cache.policy.eviction == "h2o"), cache
+
+
+# ---- the four calls ---------------------------------------------------------
+def forward_logits(params, config: ModelConfig, tokens_BT, attention_mask_BT):
+  """No-cache causal forward. Returns logits [B, T, V] (float32)."""
+  step = forward_step(config, attention_mask_BT)
+  x_BTD, _ = run_layers(params, embed(params, tokens_BT, config), step, None,
+                        config)
+  return unembed(params, x_BTD, config)
+
+
+def prefill_logits(params, config, tokens_BT, attention_mask_BT, cache,
+                   all_logits: bool):
+  """Prefill into a fresh cache. Returns (logits, new_cache)."""
+  step = prefill_step(config, attention_mask_BT, cache)
+  if cache.scores is not None:
+    cache = cache.replace(scores=jnp.zeros_like(cache.scores))
+  x_BTD, cache = run_layers(params, embed(params, tokens_BT, config), step,
+                            cache, config)
+  empty = jnp.full_like(cache.positions, cache_lib.EMPTY)
+  cache = cache.replace(positions=empty)
+  # Prefill scores were accumulated by the layers: keep them.
+  cache = commit_positions(cache, step.q_pos, step.slots,
+                           jnp.sum(attention_mask_BT, axis=1),
+                           reset_scores=False)
+  if not all_logits:
+    x_BTD = x_BTD[:, -1:]
+  return unembed(params, x_BTD, config), cache
+
+
+def extend_logits(params, config, tokens_BT, attention_mask_BT, cache,
+                  all_logits: bool):
+  """Appends a chunk to a non-empty cache. Returns (logits, new_cache)."""
+  step = extend_step(config, attention_mask_BT, cache)
+  x_BTD, cache = run_layers(params, embed(params, tokens_BT, config), step,
+                            cache, config)
+  cache = commit_positions(cache, step.q_pos, step.slots,
+                           cache.length + jnp.sum(attention_mask_BT, axis=1))
+  if not all_logits:
+    x_BTD = x_BTD[:, -1:]
+  return unembed(params, x_BTD, config), cache
+
+
+def decode_logits(params, config, token_B, cache):
+  """One token per sequence. Returns (logits [B, V], new_cache)."""
+  step, cache = decode_step_info(config, cache)
+  x_BTD, cache = run_layers(params, embed(params, token_B[:, None], config),
+                            step, cache, config)
+  return unembed(params, x_BTD, config)[:, 0], cache

@@ -1,0 +1,62 @@
+"""Sampling strategies: small frozen objects, explicit PRNG keys.
+
+`Sampler()` is greedy. `Sampler(temperature=t)` samples from softmax(l / t);
+`top_k` keeps the k most likely tokens and `top_p` the smallest set whose
+probability mass reaches p (nucleus); they combine (top-k first, then top-p
+on what remains, both on the temperature-scaled distribution).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampler:
+  temperature: float = 0.0  # 0 means greedy (argmax)
+  top_k: int = 0  # 0 means no top-k filter
+  top_p: float = 1.0  # 1 means no nucleus filter
+
+  def __post_init__(self):
+    if self.temperature < 0:
+      raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+    if self.top_k < 0:
+      raise ValueError(f"top_k must be >= 1 (or 0 for off), got {self.top_k}")
+    if not 0.0 < self.top_p <= 1.0:
+      raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+  @property
+  def greedy(self) -> bool:
+    return self.temperature == 0.0
+
+  def filter_logits(self, logits_BV):
+    """Temperature-scaled logits with filtered-out tokens at -inf."""
+    logits_BV = logits_BV.astype(jnp.float32) / self.temperature
+    neg = jnp.finfo(jnp.float32).min
+    if self.top_k:
+      kth_B1 = jax.lax.top_k(logits_BV, self.top_k)[0][:, -1:]
+      logits_BV = jnp.where(logits_BV < kth_B1, neg, logits_BV)
+    if self.top_p < 1.0:
+      sorted_BV = jnp.sort(logits_BV, axis=-1)[:, ::-1]
+      probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
+      # Keep a token when the mass strictly before it is below p: the
+      # smallest prefix reaching p, and always the most likely token.
+      before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
+      keep_BV = before_BV < self.top_p
+      cutoff_B1 = jnp.min(jnp.where(keep_BV, sorted_BV, jnp.inf), axis=-1,
+                          keepdims=True)
+      logits_BV = jnp.where(logits_BV < cutoff_B1, neg, logits_BV)
+    return logits_BV
+
+  def __call__(self, logits_BV, key):
+    """Next tokens [B] (int32) from logits [B, V]."""
+    if self.greedy:
+      return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    return jax.random.categorical(key, self.filter_logits(logits_BV),
+                                  axis=-1).astype(jnp.int32)
+
+
+GREEDY = Sampler()
