@@ -1,0 +1,70 @@
+"""Model + cache + generation presets.
+
+Select with `--config=configs/model.py:<variant>[-<size>]`, e.g. `gqa`,
+`mla-medium`, `mqa-tiny`; override with `--config.model.num_kv_heads=2`.
+
+variants (same width and depth; only the attention differs):
+  mha  K = N          mqa  K = 1          gqa  K = N / 3 (medium) or N / 4
+  mla  DeepSeek-V2 ratios: C = 4·H, R = H / 2, P = H, v = H, no q_lora
+sizes:
+  tiny    D 64,  L 2,  N 4,  F 128,  V 256    (unit tests)
+  small   D 256, L 6,  N 8,  F 704,  V 32000  (quick benchmarks)
+  medium  D 768, L 12, N 12, F 2048, V 32000  (~125M params; the size the
+          performance issue compares against transformers)
+"""
+
+import ml_collections
+
+VARIANTS = ("mha", "mqa", "gqa", "mla")
+SIZES = {
+    "tiny": dict(vocab_size=256, num_layers=2, embed_dim=64, num_heads=4,
+                 mlp_dim=128, gqa_kv_heads=2),
+    "small": dict(vocab_size=32000, num_layers=6, embed_dim=256, num_heads=8,
+                  mlp_dim=704, gqa_kv_heads=2),
+    "medium": dict(vocab_size=32000, num_layers=12, embed_dim=768,
+                   num_heads=12, mlp_dim=2048, gqa_kv_heads=4),
+}
+PRESETS = tuple(f"{v}-{s}" for v in VARIANTS for s in SIZES)
+
+
+def model_dict(variant: str, size: str) -> dict:
+  """The model fields of one preset as a plain dict."""
+  if variant not in VARIANTS:
+    raise ValueError(f"unknown variant {variant!r}; choose from {VARIANTS}")
+  if size not in SIZES:
+    raise ValueError(f"unknown size {size!r}; choose from {tuple(SIZES)}")
+  s = dict(SIZES[size])
+  gqa_kv_heads = s.pop("gqa_kv_heads")
+  n = s["num_heads"]
+  h = s["embed_dim"] // n
+  m = dict(s, attention="gqa", num_kv_heads=n, head_dim=0, kv_lora_rank=0,
+           q_lora_rank=0, qk_nope_head_dim=0, qk_rope_head_dim=0,
+           v_head_dim=0, mla_decode="absorbed", rope_theta=10000.0,
+           rope_layout="half", rms_norm_eps=1e-6, tie_embeddings=False,
+           sliding_window=0, attention_impl="einsum", param_dtype="float32",
+           compute_dtype="float32", init_scale=0.02)
+  if variant == "mqa":
+    m["num_kv_heads"] = 1
+  elif variant == "gqa":
+    m["num_kv_heads"] = gqa_kv_heads
+  elif variant == "mla":
+    m.update(attention="mla", num_kv_heads=1, kv_lora_rank=4 * h,
+             qk_rope_head_dim=h // 2, qk_nope_head_dim=h, v_head_dim=h,
+             rope_layout="interleaved")
+  return m
+
+
+def get_config(arg: str = "gqa-medium") -> ml_collections.ConfigDict:
+  variant, _, size = arg.partition("-")
+  size = size or "medium"
+  cfg = ml_collections.ConfigDict()
+  cfg.preset = f"{variant}-{size}"
+  cfg.model = ml_collections.ConfigDict(model_dict(variant, size))
+  cfg.cache = ml_collections.ConfigDict(dict(
+      capacity=0,  # 0: a power of two covering prompt + generation
+      eviction="none", num_sinks=0, recent=0, positions="original",
+      kv_dtype="float32"))
+  cfg.generate = ml_collections.ConfigDict(dict(
+      batch=1, prompt_len=128, max_new_tokens=128, temperature=0.0, top_k=0,
+      top_p=1.0, seed=0))
+  return cfg
