@@ -157,9 +157,9 @@ def gqa_attention(p, x_BTD, step: Step, cache, layer, config: ModelConfig):
   k_BTKH = jnp.einsum("BTD,DKH->BTKH", x_BTD, p["k"])
   v_BTKH = jnp.einsum("BTD,DKH->BTKH", x_BTD, p["v"])
   if "q_bias" in p:
-    q_BTNH += p["q_bias"]
-    k_BTKH += p["k_bias"]
-    v_BTKH += p["v_bias"]
+    q_BTNH += p["q_bias"][None, None]
+    k_BTKH += p["k_bias"][None, None]
+    v_BTKH += p["v_bias"][None, None]
   cos_q, sin_q = step.cos_q[:, :, None], step.sin_q[:, :, None]
   q_BTNH = apply_rope(q_BTNH, cos_q, sin_q, config.rope_layout)
   pre_rope = cache is not None and cache.policy.positions == "cache"
@@ -191,5 +191,5 @@ def gqa_attention(p, x_BTD, step: Step, cache, layer, config: ModelConfig):
   y_BTD = jnp.einsum("BTNH,NHD->BTD", out_BTKGH.reshape(B, T, K * G, H),
                      p["o"])
   if "o_bias" in p:
-    y_BTD += p["o_bias"]
+    y_BTD += p["o_bias"][None, None]
   return y_BTD, cache

@@ -19,7 +19,8 @@ def rms_norm(x, scale, eps: float):
   x32 = x.astype(jnp.float32)
   var = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
   y = x32 * jax.lax.rsqrt(var + eps)
-  return (y * scale.astype(jnp.float32)).astype(x.dtype)
+  scale = scale.astype(jnp.float32).reshape((1,) * (x.ndim - 1) + (-1,))
+  return (y * scale).astype(x.dtype)
 
 
 def swiglu(x, w_gate, w_up, w_down):
@@ -88,6 +89,7 @@ def rope_tables(config: ModelConfig, positions):
   """cos, sin [..., R/2] for integer positions [...] (float32)."""
   inv_freq, amplitude = rope_frequencies(config.rope_dim, config.rope_theta,
                                          config.rope_scaling)
+  inv_freq = jnp.asarray(inv_freq).reshape((1,) * positions.ndim + (-1,))
   angles = positions.astype(jnp.float32)[..., None] * inv_freq
   return jnp.cos(angles) * amplitude, jnp.sin(angles) * amplitude
 
