@@ -200,7 +200,7 @@ def table_row(name: str, config: ModelConfig,
   measured = cache_nbytes(config, 1, 1, kv_dtype)
   twin = cache_nbytes(mha_twin(config), 1, 1, kv_dtype)
   sizes = {f"{t}x{b}": cache_nbytes(config, b, t, kv_dtype)
-           for t in tokens for b in batches}
+           for b in batches for t in tokens}
   return dict(
       name=name, variant=config.variant, attention=config.attention,
       layers=config.num_layers, num_heads=config.num_heads,
@@ -242,3 +242,97 @@ def deepseek_v2_claims(v2: ModelConfig = DEEPSEEK_V2,
 def table(configs: Mapping[str, ModelConfig], **kw) -> list[dict]:
   """`table_row` for every (name, config)."""
   return [table_row(name, c, **kw) for name, c in configs.items()]
+
+
+# ---- presentation -----------------------------------------------------------
+def format_bytes(n: float) -> str:
+  """Binary units: 1536 -> '1.5 KiB'."""
+  for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+    if abs(n) < 1024 or unit == "TiB":
+      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    n /= 1024
+  raise AssertionError("unreachable")
+
+
+def _formula(row: dict) -> str:
+  """Elements cached per token and layer, written out."""
+  if row["attention"] == "mla":
+    return (f"{row['kv_lora_rank']}+{row['rope_dim']} = "
+            f"{row['elements_per_token_per_layer']}")
+  return (f"2·{row['kv_heads']}·{row['head_dim']} = "
+          f"{row['elements_per_token_per_layer']}")
+
+
+def markdown_table(rows: Sequence[dict]) -> str:
+  """The rows of `table` as a markdown table (sizes in binary units)."""
+  keys = list(rows[0]["cache_bytes"])
+  head = ["model", "attention", "L", "elements / token / layer",
+          "≈ GQA kv heads", "KV / token"]
+  head += [f"{int(k.split('x')[0]) // 1024}k × {k.split('x')[1]}"
+           for k in keys]
+  head.append("vs MHA")
+  lines = ["| " + " | ".join(head) + " |",
+           "|" + "|".join(["---"] * 2 + ["--:"] * (len(head) - 2)) + "|"]
+  for r in rows:
+    cells = [r["name"], r["variant"], str(r["layers"]), _formula(r),
+             f"{r['equivalent_kv_heads']:g}",
+             format_bytes(r["bytes_per_token"])]
+    cells += [format_bytes(r["cache_bytes"][k]) for k in keys]
+    cells.append(f"{100 * r['vs_mha']:.2f}%")
+    lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+def table_notes(rows: Sequence[dict]) -> list[str]:
+  """Caveats the sizes need: model windows, and published models' context
+  limits (presets have no trained context length)."""
+  notes = []
+  longest = max(int(k.split("x")[0]) for k in rows[0]["cache_bytes"])
+  for r in rows:
+    if r["sliding_window"]:
+      notes.append(
+          f"{r['name']}: its {r['sliding_window']}-token sliding window makes "
+          f"a rolling cache of {r['sliding_window']} slots exact at any "
+          f"length ({format_bytes(r['bytes_per_token'] * r['sliding_window'])}"
+          " per sequence); the columns show the unbounded cache.")
+    elif r["name"] in PUBLISHED and r["max_seq_len"] < longest:
+      notes.append(f"{r['name']}: context {r['max_seq_len']} tokens; longer "
+                   "columns are hypothetical.")
+  return notes
+
+
+VARIANT_COLORS = dict(mha="tab:red", mqa="tab:green", gqa="tab:blue",
+                      mla="tab:purple")
+
+
+def plot_table(rows: Sequence[dict], path: str) -> None:
+  """Two panels: KV bytes per token (log scale) and the share of the MHA
+  twin's cache, one bar per row, coloured by variant."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  names = [r["name"] for r in rows][::-1]
+  colors = [VARIANT_COLORS[r["variant"]] for r in rows][::-1]
+  y = np.arange(len(rows))
+  fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(12, 0.35 * len(rows) + 1.5),
+                                 sharey=True)
+  ax0.barh(y, [r["bytes_per_token"] / 1024 for r in rows][::-1],
+           color=colors)
+  ax0.set_xscale("log")
+  ax0.set_xlabel(f"KV cache per token, KiB ({rows[0]['kv_dtype']}, all "
+                 "layers)")
+  ax0.set_yticks(y, names)
+  ax1.barh(y, [100 * r["vs_mha"] for r in rows][::-1], color=colors)
+  ax1.set_xlabel("% of the same model's MHA cache")
+  for yi, r in zip(y, rows[::-1]):
+    ax1.text(100 * r["vs_mha"] + 1, yi, f"{100 * r['vs_mha']:.1f}%",
+             va="center", fontsize=7)
+  ax1.set_xlim(0, 115)
+  handles = [plt.Rectangle((0, 0), 1, 1, color=c)
+             for c in VARIANT_COLORS.values()]
+  ax1.legend(handles, list(VARIANT_COLORS), loc="lower right")
+  fig.suptitle("KV cache per token: kvjax presets and published models")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
