@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging as pylogging
 import math
 import os
 import pathlib
@@ -124,13 +125,6 @@ def model_logits_fn(model_config) -> LogitsFn:
     return kvjax.forward(params, model_config, tokens_BxT)
 
   return logits_fn
-
-
-def param_count(model_config) -> int:
-  """Number of parameters of a kvjax model, from shapes only (no FLOPs)."""
-  shapes = jax.eval_shape(
-      lambda: kvjax.init_params(model_config, jax.random.key(0)))
-  return sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
 
 
 # ----------------------------------------------------------------------------
@@ -545,24 +539,27 @@ def fit(state: TrainState, *, train_tokens: np.ndarray,
     if t_last is None:
       # Start the clock after the first step so compile time is not counted.
       jax.block_until_ready(metrics)
-      t_last, steps_timed, pending = time.perf_counter(), 0, []
+      t_last, steps_timed = time.perf_counter(), 0
     else:
       steps_timed += 1
-    if step % config.log_every == 0 and pending:
+    if step % config.log_every == 0:
       fetched = jax.device_get(pending)
       now = time.perf_counter()
-      sec_per_step = (now - t_last) / max(steps_timed, 1)
       loss = float(np.mean([m["loss"] for m in fetched]))
       r = {"step": step, "split": "train", "loss": loss,
            "bits_per_byte": loss / math.log(2),
            "grad_norm": float(fetched[-1]["grad_norm"]),
-           "lr": float(schedule(i)),
-           "tokens_per_s": config.tokens_per_step / sec_per_step}
+           "lr": float(schedule(i))}
+      eta = ""
+      if steps_timed:  # none yet right after compiling or evaluating
+        sec_per_step = (now - t_last) / steps_timed
+        r["tokens_per_s"] = config.tokens_per_step / sec_per_step
+        eta = (f"  {r['tokens_per_s']:.0f} tok/s  "
+               f"ETA {sec_per_step * (config.num_steps - step):.0f} s")
       record(r)
-      logging.info("step %d/%d  loss %.4f (%.3f bpb)  |g| %.2f  lr %.2e  "
-                   "%.0f tok/s  ETA %.0f s", step, config.num_steps, loss,
-                   r["bits_per_byte"], r["grad_norm"], r["lr"],
-                   r["tokens_per_s"], sec_per_step * (config.num_steps - step))
+      logging.info("step %d/%d  loss %.4f (%.3f bpb)  |g| %.2f  lr %.2e%s",
+                   step, config.num_steps, loss, r["bits_per_byte"],
+                   r["grad_norm"], r["lr"], eta)
       pending, t_last, steps_timed = [], now, 0
     if step % config.eval_every == 0 or step == config.num_steps:
       final = {"step": step, "split": "validation",
@@ -583,6 +580,21 @@ def fit(state: TrainState, *, train_tokens: np.ndarray,
   return state, final
 
 
+class _DropOrbaxInfo(pylogging.Filter):
+  """Orbax logs ~25 INFO lines per save; keep its warnings and errors only."""
+
+  def filter(self, record):
+    return (record.levelno >= pylogging.WARNING or
+            f"{os.sep}orbax{os.sep}" not in record.pathname)
+
+
+def quiet_orbax_logs() -> None:
+  """Drops orbax's INFO chatter from absl logging (idempotent)."""
+  handler = logging.get_absl_handler()
+  if not any(isinstance(f, _DropOrbaxInfo) for f in handler.filters):
+    handler.addFilter(_DropOrbaxInfo())
+
+
 def run(model_config, config: TrainConfig,
         workdir: str | os.PathLike) -> dict[str, Any]:
   """Trains a kvjax model on the Austen corpus; returns final validation metrics.
@@ -591,6 +603,7 @@ def run(model_config, config: TrainConfig,
     kvjax.data.CorpusNotFoundError: the corpus is not installed (the message
       names the install command).
   """
+  quiet_orbax_logs()
   streams = data.austen_streams(config.data_dir)
   if model_config.vocab_size != data.VOCAB_SIZE:
     raise ValueError(f"model vocab_size={model_config.vocab_size}, but byte "
@@ -607,7 +620,7 @@ def run(model_config, config: TrainConfig,
               f, indent=2)
   logging.info("model %s: %d parameters; train %d tokens, validation %d "
                "tokens (%d evaluated)", model_config.variant,
-               param_count(model_config), streams.train.shape[0],
+               kvjax.param_count(model_config), streams.train.shape[0],
                streams.validation.shape[0], val_batches[..., 1:].size)
   params = kvjax.init_params(model_config, jax.random.key(config.seed))
   state = create_train_state(params, model_logits_fn(model_config),
