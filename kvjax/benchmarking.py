@@ -1,0 +1,397 @@
+"""Measuring what inference costs on this machine: timers, hardware probes,
+bytes / FLOPs models and peak resident memory.
+
+Everything here is a plain function so that `experiments/benchmark.py`,
+`experiments/peer_benchmark.py`, tests and notebooks share one definition of
+every number:
+
+  timing     `time_fn` (warm-up, `block_until_ready`, median),
+             `time_alternating` (A B A B ... in one run: ratios are not
+             skewed by load that changes over time), `compile_seconds`.
+  probes     `read_bandwidth` (a pure streaming read), `triad_bandwidth`
+             (a = b + s·c into a donated buffer), `matvec_bandwidth` (the
+             batch-1 decode pattern x @ W), `matmul_peak` (FLOP/s of a large
+             square matmul).
+  models     `param_bytes`, `decode_bytes_per_step` (the bytes one decode
+             step must read: the weights it uses + the used part of the
+             cache), `prefill_flops` (the matmul FLOPs of a prefill),
+             `largest_activation_bytes`.
+  memory     `PeakRSS` (the process's peak resident set size over a region,
+             reset through /proc/self/clear_refs), `current_rss_bytes`.
+
+Shapes use the alphabet of `kvjax.config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import resource
+import statistics
+import time
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax import cache as cache_lib
+from kvjax.config import ModelConfig
+
+
+# ---- timing -----------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Timing:
+  """Wall-clock seconds of repeated calls (warm-up calls excluded)."""
+
+  seconds: tuple[float, ...]
+
+  @property
+  def median(self) -> float:
+    return statistics.median(self.seconds)
+
+  @property
+  def min(self) -> float:
+    return min(self.seconds)
+
+  @property
+  def max(self) -> float:
+    return max(self.seconds)
+
+  def to_dict(self) -> dict[str, Any]:
+    return dict(median_s=self.median, min_s=self.min, max_s=self.max,
+                repeats=len(self.seconds))
+
+
+def _check_counts(warmup: int, repeats: int):
+  if warmup < 0:
+    raise ValueError(f"warmup must be >= 0, got {warmup}")
+  if repeats < 1:
+    raise ValueError(f"repeats must be >= 1, got {repeats}")
+
+
+def time_fn(fn: Callable[[], Any], *, warmup: int = 1,
+            repeats: int = 5) -> Timing:
+  """Times `fn()` (which must return JAX arrays or a pytree of them).
+
+  Each call is followed by `jax.block_until_ready` on its result, so the time
+  is the computation, not the dispatch. The first `warmup` calls (compile,
+  caches) are not recorded.
+  """
+  _check_counts(warmup, repeats)
+  for _ in range(warmup):
+    jax.block_until_ready(fn())
+  out = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    out.append(time.perf_counter() - t0)
+  return Timing(tuple(out))
+
+
+def time_alternating(fns: Mapping[str, Callable[[], Any]], *, warmup: int = 1,
+                     repeats: int = 5) -> dict[str, Timing]:
+  """Times several functions interleaved: A B C A B C ... (warm-up first).
+
+  On a machine shared with other work the load drifts; interleaving exposes
+  every candidate to the same drift, so the ratio of medians is fair.
+  """
+  _check_counts(warmup, repeats)
+  if not fns:
+    raise ValueError("fns is empty")
+  for _ in range(warmup):
+    for fn in fns.values():
+      jax.block_until_ready(fn())
+  out = {name: [] for name in fns}
+  for _ in range(repeats):
+    for name, fn in fns.items():
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn())
+      out[name].append(time.perf_counter() - t0)
+  return {name: Timing(tuple(ts)) for name, ts in out.items()}
+
+
+def compile_seconds(jitted, *args, **kwargs) -> dict[str, float]:
+  """Trace+lower and XLA-compile times of `jitted(*args, **kwargs)`.
+
+  Uses the AOT path (`jitted.lower(...).compile()`), so nothing runs and the
+  in-memory jit cache is not consulted: the figure is a fresh compilation.
+  """
+  t0 = time.perf_counter()
+  lowered = jitted.lower(*args, **kwargs)
+  t1 = time.perf_counter()
+  lowered.compile()
+  t2 = time.perf_counter()
+  return dict(lower_s=t1 - t0, compile_s=t2 - t1, total_s=t2 - t0)
+
+
+# ---- hardware probes --------------------------------------------------------
+def _probe_array(nbytes: int, key: int = 0):
+  if nbytes < 4096:
+    raise ValueError(f"nbytes must be >= 4096, got {nbytes}")
+  n = nbytes // 4
+  return jax.random.normal(jax.random.key(key), (n,), jnp.float32)
+
+
+def read_bandwidth(nbytes: int = 1 << 29, *, warmup: int = 2,
+                   repeats: int = 10) -> dict[str, float]:
+  """Streaming-read bandwidth: sum of an `nbytes` float32 array.
+
+  Returns:
+    bytes_per_s (nbytes / median time), median_s, nbytes.
+  """
+  x = _probe_array(nbytes)
+  f = jax.jit(jnp.sum)
+  t = time_fn(lambda: f(x), warmup=warmup, repeats=repeats)
+  nb = x.size * 4
+  return dict(bytes_per_s=nb / t.median, best_bytes_per_s=nb / t.min,
+              median_s=t.median, nbytes=nb)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _triad(a, b, c):
+  del a  # donated: the output reuses its pages (no page faults per call).
+  return b + 1.5 * c
+
+
+def triad_bandwidth(nbytes: int = 1 << 28, *, warmup: int = 2,
+                    repeats: int = 10) -> dict[str, float]:
+  """STREAM triad a = b + s·c with a donated output buffer.
+
+  Counts 3 × nbytes per call (two reads, one write).
+  """
+  b = _probe_array(nbytes, 1)
+  c = _probe_array(nbytes, 2)
+  state = [jnp.zeros_like(b)]
+
+  def call():
+    state[0] = _triad(state[0], b, c)
+    return state[0]
+
+  t = time_fn(call, warmup=warmup, repeats=repeats)
+  nb = 3 * b.size * 4
+  return dict(bytes_per_s=nb / t.median, best_bytes_per_s=nb / t.min,
+              median_s=t.median, nbytes=nb)
+
+
+def matvec_bandwidth(in_dim: int = 4096, out_dim: int = 16384, *,
+                     warmup: int = 2, repeats: int = 10) -> dict[str, float]:
+  """Batch-1 decode pattern: x [1, in] @ W [in, out] (W stored [in, out]).
+
+  Counts the bytes of W (x and the output are negligible).
+  """
+  w = jax.random.normal(jax.random.key(3), (in_dim, out_dim), jnp.float32)
+  x = jax.random.normal(jax.random.key(4), (1, in_dim), jnp.float32)
+  f = jax.jit(jnp.matmul)
+  t = time_fn(lambda: f(x, w), warmup=warmup, repeats=repeats)
+  nb = w.size * 4
+  return dict(bytes_per_s=nb / t.median, best_bytes_per_s=nb / t.min,
+              median_s=t.median, nbytes=nb)
+
+
+def matmul_peak(n: int = 2048, dtype: str = "float32", *, warmup: int = 2,
+                repeats: int = 5) -> dict[str, float]:
+  """FLOP/s of an n × n × n matmul through XLA (2·n³ FLOPs per call).
+
+  For bfloat16 inputs the product accumulates and is returned in float32
+  (`preferred_element_type`), the form kvjax uses for low-precision matmuls.
+  """
+  if n < 1:
+    raise ValueError(f"n must be >= 1, got {n}")
+  a = jax.random.normal(jax.random.key(5), (n, n), jnp.float32).astype(dtype)
+  b = jax.random.normal(jax.random.key(6), (n, n), jnp.float32).astype(dtype)
+  f = jax.jit(lambda a, b: jnp.matmul(a, b,
+                                      preferred_element_type=jnp.float32))
+  t = time_fn(lambda: f(a, b), warmup=warmup, repeats=repeats)
+  flops = 2.0 * n ** 3
+  return dict(flops_per_s=flops / t.median, best_flops_per_s=flops / t.min,
+              median_s=t.median, flops=flops)
+
+
+# ---- bytes and FLOPs models -------------------------------------------------
+def tree_bytes(tree) -> int:
+  """Bytes of every array leaf of a pytree (shape-dtype structs work too)."""
+  return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
+             for x in jax.tree_util.tree_leaves(tree))
+
+
+def param_bytes(params) -> int:
+  return tree_bytes(params)
+
+
+def decode_weight_bytes(params, config: ModelConfig) -> int:
+  """Weight bytes one decode step reads.
+
+  Every weight except the embedding table, of which only one row per
+  sequence is gathered (negligible, counted as zero); with tied embeddings
+  the table is the LM head and is read whole.
+  """
+  total = tree_bytes(params)
+  if config.tie_embeddings:
+    return total
+  return total - tree_bytes(params["embed"])
+
+
+def decode_bytes_per_step(params, config: ModelConfig, batch: int,
+                          context: int, kv_dtype: str = "float32"
+                          ) -> dict[str, int]:
+  """Bytes a decode step at `context` cached tokens must read.
+
+  The minimum traffic of the step: the weights it uses once (shared by the
+  batch) plus the used part of every sequence's cache (`context` tokens incl.
+  the new one, scales included). Activations are negligible at decode.
+
+  Returns:
+    weights, cache, total (bytes).
+  """
+  if batch < 1 or context < 1:
+    raise ValueError(f"batch and context must be >= 1, got {batch}, "
+                     f"{context}")
+  w = decode_weight_bytes(params, config)
+  c = batch * context * cache_lib.kv_bytes_per_token(config, kv_dtype)
+  return dict(weights=w, cache=c, total=w + c)
+
+
+def _matmul_params_per_layer(config: ModelConfig) -> int:
+  """Weights of one dense layer that multiply every token (norms excluded)."""
+  D, N, F = config.embed_dim, config.num_heads, config.mlp_dim
+  if config.attention == "mla":
+    C, R = config.kv_lora_rank, config.qk_rope_head_dim
+    P, Vh, Q = config.qk_nope_head_dim, config.v_head_dim, config.q_lora_rank
+    q = D * Q + Q * N * (P + R) if Q else D * N * (P + R)
+    attn = q + D * (C + R) + C * N * (P + Vh) + N * Vh * D
+  else:
+    K, H = config.num_kv_heads, config.head_dim
+    attn = D * N * H + 2 * D * K * H + N * H * D
+  if config.is_moe:
+    raise ValueError("prefill_flops does not model MoE layers")
+  return attn + 3 * D * F
+
+
+def prefill_flops(config: ModelConfig, batch: int, length: int,
+                  all_logits: bool = False) -> dict[str, float]:
+  """FLOPs of a prefill of `batch` prompts of `length` tokens.
+
+  matmul: 2 × tokens × (every layer's weight matrices); attention: the
+  causal half only, 2·N·(q·k width + v width) per (query, key) pair with
+  key ≤ query — the useful work, not the masked square the einsum computes;
+  lm_head: the last position only unless `all_logits`.
+
+  Returns:
+    matmul, attention, lm_head, total.
+  """
+  if batch < 1 or length < 1:
+    raise ValueError(f"batch and length must be >= 1, got {batch}, {length}")
+  tokens = batch * length
+  L, N, D, V = (config.num_layers, config.num_heads, config.embed_dim,
+                config.vocab_size)
+  matmul = 2.0 * tokens * L * _matmul_params_per_layer(config)
+  if config.attention == "mla":
+    qk, v = config.qk_nope_head_dim + config.qk_rope_head_dim, (
+        config.v_head_dim)
+  else:
+    qk = v = config.head_dim
+  pairs = batch * length * (length + 1) / 2
+  attention = 2.0 * L * N * (qk + v) * pairs
+  lm_head = 2.0 * D * V * (tokens if all_logits else batch)
+  return dict(matmul=matmul, attention=attention, lm_head=lm_head,
+              total=matmul + attention + lm_head)
+
+
+def largest_activation_bytes(config: ModelConfig, batch: int, length: int,
+                             all_logits: bool = False) -> int:
+  """The largest single activation of a prefill of [batch, length] (float32
+  compute): the MLP hidden [B,T,F], attention logits [B,N,T,T], or logits
+  [B,T or 1,V]."""
+  itemsize = jnp.dtype(config.compute_dtype).itemsize
+  B, T = batch, length
+  candidates = [
+      B * T * config.mlp_dim * itemsize,
+      B * config.num_heads * T * T * 4,
+      B * (T if all_logits else 1) * config.vocab_size * 4,
+      B * T * config.embed_dim * itemsize,
+  ]
+  return max(candidates)
+
+
+# ---- resident memory --------------------------------------------------------
+def _status_kib(field: str) -> int | None:
+  try:
+    with open("/proc/self/status") as f:
+      for line in f:
+        if line.startswith(field + ":"):
+          return int(line.split()[1])
+  except OSError:
+    return None
+  return None
+
+
+def current_rss_bytes() -> int:
+  """Resident set size now (VmRSS), in bytes."""
+  kib = _status_kib("VmRSS")
+  if kib is None:
+    raise OSError("/proc/self/status has no VmRSS on this system")
+  return kib * 1024
+
+
+def reset_peak_rss() -> bool:
+  """Resets the kernel's peak-RSS counter (VmHWM) to the current RSS.
+
+  Returns False where /proc/self/clear_refs is unavailable; the peak then
+  covers the whole process lifetime (`ru_maxrss`).
+  """
+  try:
+    with open("/proc/self/clear_refs", "w") as f:
+      f.write("5")
+    return True
+  except OSError:
+    return False
+
+
+def peak_rss_bytes() -> int:
+  """Peak resident set size since the last reset (VmHWM), in bytes."""
+  kib = _status_kib("VmHWM")
+  if kib is None:  # no /proc: lifetime peak (KiB on Linux).
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+  return kib * 1024
+
+
+class PeakRSS:
+  """Context manager measuring the peak resident memory of a region.
+
+    with PeakRSS() as m:
+      run()
+    m.before, m.peak, m.delta  (bytes)
+
+  `delta` = peak − RSS at entry: the memory the region itself added on top
+  of what the process already held. `reset_ok` says whether the peak was
+  reset at entry (else `peak` may predate the region).
+  """
+
+  def __enter__(self):
+    self.before = current_rss_bytes()
+    self.reset_ok = reset_peak_rss()
+    return self
+
+  def __exit__(self, *exc):
+    self.peak = peak_rss_bytes()
+    self.after = current_rss_bytes()
+    self.delta = self.peak - self.before
+    return False
+
+  def to_dict(self) -> dict[str, Any]:
+    return dict(before_bytes=self.before, peak_bytes=self.peak,
+                after_bytes=self.after, delta_bytes=self.delta,
+                reset_ok=self.reset_ok)
+
+
+def machine_info() -> dict[str, Any]:
+  """What the figures were measured on."""
+  try:
+    load = os.getloadavg()
+  except OSError:
+    load = None
+  return dict(jax=jax.__version__, backend=jax.default_backend(),
+              devices=[str(d) for d in jax.devices()],
+              cpu_count=os.cpu_count(), loadavg=load)

@@ -1,0 +1,178 @@
+"""kvjax.benchmarking: timers, probes, bytes/FLOPs models, peak RSS.
+
+The models are checked against independent sources: the real nbytes of
+caches and params, and the matrix leaves of the params pytree.
+"""
+
+import functools
+import time
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import kvjax
+from kvjax import benchmarking as bm
+import model as model_presets  # configs/model.py (see conftest.py)
+
+VARIANTS = model_presets.VARIANTS
+
+
+@functools.lru_cache(maxsize=None)
+def tiny(variant: str) -> kvjax.ModelConfig:
+  return kvjax.ModelConfig.from_dict(model_presets.model_dict(variant, "tiny"))
+
+
+class TimingTest(parameterized.TestCase):
+
+  def test_warmup_is_excluded_and_repeats_recorded(self):
+    calls = []
+
+    def fn():
+      calls.append(1)
+      time.sleep(0.002 if len(calls) > 2 else 0.05)
+      return jnp.zeros(())
+
+    t = bm.time_fn(fn, warmup=2, repeats=3)
+    self.assertLen(calls, 5)
+    self.assertLen(t.seconds, 3)
+    # The two slow warm-up calls are not in the record.
+    self.assertLess(t.max, 0.04)
+    self.assertGreaterEqual(t.min, 0.002)
+    self.assertLessEqual(t.min, t.median)
+    self.assertLessEqual(t.median, t.max)
+
+  def test_alternating_interleaves_calls(self):
+    order = []
+    fns = {name: (lambda n=name: order.append(n) or jnp.zeros(()))
+           for name in ("a", "b", "c")}
+    out = bm.time_alternating(fns, warmup=1, repeats=2)
+    self.assertEqual("".join(order), "abc" * 3)
+    self.assertEqual(sorted(out), ["a", "b", "c"])
+    self.assertTrue(all(len(t.seconds) == 2 for t in out.values()))
+
+  @parameterized.parameters(dict(warmup=-1, repeats=1),
+                            dict(warmup=0, repeats=0))
+  def test_bad_counts_raise(self, warmup, repeats):
+    with self.assertRaisesRegex(ValueError, "warmup|repeats"):
+      bm.time_fn(lambda: jnp.zeros(()), warmup=warmup, repeats=repeats)
+    with self.assertRaisesRegex(ValueError, "warmup|repeats"):
+      bm.time_alternating({"a": lambda: jnp.zeros(())}, warmup=warmup,
+                          repeats=repeats)
+
+  def test_compile_seconds(self):
+    f = jax.jit(lambda x: jnp.sin(x) @ x)
+    out = bm.compile_seconds(f, jnp.ones((8, 8)))
+    self.assertGreater(out["compile_s"], 0)
+    self.assertAlmostEqual(out["total_s"], out["lower_s"] + out["compile_s"])
+
+
+class ProbeTest(parameterized.TestCase):
+
+  def test_probes_report_positive_rates_for_their_sizes(self):
+    r = bm.read_bandwidth(1 << 20, warmup=1, repeats=2)
+    self.assertEqual(r["nbytes"], 1 << 20)
+    t = bm.triad_bandwidth(1 << 20, warmup=1, repeats=2)
+    self.assertEqual(t["nbytes"], 3 << 20)
+    m = bm.matvec_bandwidth(64, 128, warmup=1, repeats=2)
+    self.assertEqual(m["nbytes"], 64 * 128 * 4)
+    p = bm.matmul_peak(32, warmup=1, repeats=2)
+    self.assertEqual(p["flops"], 2 * 32 ** 3)
+    for d, key in ((r, "bytes_per_s"), (t, "bytes_per_s"),
+                   (m, "bytes_per_s"), (p, "flops_per_s")):
+      self.assertTrue(np.isfinite(d[key]) and d[key] > 0, d)
+      self.assertGreaterEqual(d["best_" + key], d[key])
+
+  def test_bad_probe_sizes_raise(self):
+    with self.assertRaisesRegex(ValueError, "nbytes"):
+      bm.read_bandwidth(16)
+    with self.assertRaisesRegex(ValueError, "n must"):
+      bm.matmul_peak(0)
+
+
+class ModelsTest(parameterized.TestCase):
+
+  @parameterized.product(variant=VARIANTS,
+                         kv_dtype=("float32", "bfloat16", "int8"))
+  def test_decode_bytes_match_real_arrays(self, variant, kv_dtype):
+    config = tiny(variant)
+    params = jax.eval_shape(lambda: kvjax.init_params(config,
+                                                      jax.random.key(0)))
+    B, ctx = 3, 24
+    cache = jax.eval_shape(
+        lambda: kvjax.init_cache(config, B, ctx, dtype=kv_dtype))
+    leaves = ([cache.c_kv, cache.k_rope, cache.c_scale, cache.r_scale]
+              if config.attention == "mla" else
+              [cache.k, cache.v, cache.k_scale, cache.v_scale])
+    cache_nbytes = sum(x.size * x.dtype.itemsize for x in leaves
+                       if x is not None)
+    out = bm.decode_bytes_per_step(params, config, B, ctx, kv_dtype)
+    self.assertEqual(out["cache"], cache_nbytes)
+    embed = params["embed"].size * 4
+    self.assertEqual(out["weights"], bm.param_bytes(params) - embed)
+    self.assertEqual(out["total"], out["weights"] + out["cache"])
+
+  def test_tied_embeddings_read_the_whole_table(self):
+    config = tiny("gqa").replace(tie_embeddings=True)
+    params = jax.eval_shape(lambda: kvjax.init_params(config,
+                                                      jax.random.key(0)))
+    self.assertEqual(bm.decode_weight_bytes(params, config),
+                     bm.param_bytes(params))
+
+  @parameterized.parameters(*VARIANTS)
+  def test_prefill_matmul_flops_count_every_weight_matrix(self, variant):
+    config = tiny(variant)
+    params = jax.eval_shape(lambda: kvjax.init_params(config,
+                                                      jax.random.key(0)))
+    # Independent count: the layer leaves that are matrices (not norms or
+    # biases), straight from the params pytree.
+    flat = jax.tree_util.tree_flatten_with_path(params["layers"])[0]
+    matrix_params = sum(
+        x.size for path, x in flat
+        if not jax.tree_util.keystr(path).rstrip("']").endswith(("norm",
+                                                                 "bias")))
+    B, T = 2, 5
+    f = bm.prefill_flops(config, B, T)
+    self.assertEqual(f["matmul"], 2 * B * T * matrix_params)
+    self.assertEqual(f["lm_head"],
+                     2 * B * config.embed_dim * config.vocab_size)
+    f_all = bm.prefill_flops(config, B, T, all_logits=True)
+    self.assertEqual(f_all["lm_head"], T * f["lm_head"])
+    # Causal attention work: T(T+1)/2 (query, key) pairs per sequence.
+    f1 = bm.prefill_flops(config, B, 1)
+    self.assertEqual(f["attention"], f1["attention"] * T * (T + 1) / 2)
+    self.assertEqual(f["total"],
+                     f["matmul"] + f["attention"] + f["lm_head"])
+
+  def test_largest_activation(self):
+    config = tiny("gqa")
+    B, T = 2, 16
+    expect = max(B * T * config.mlp_dim * 4,
+                 B * config.num_heads * T * T * 4, B * config.vocab_size * 4)
+    self.assertEqual(bm.largest_activation_bytes(config, B, T), expect)
+
+  def test_bad_sizes_raise(self):
+    config = tiny("gqa")
+    with self.assertRaisesRegex(ValueError, "batch and length"):
+      bm.prefill_flops(config, 0, 4)
+    with self.assertRaisesRegex(ValueError, "batch and context"):
+      bm.decode_bytes_per_step({"embed": jnp.zeros((2, 2))}, config, 1, 0)
+
+
+class PeakRSSTest(absltest.TestCase):
+
+  def test_region_peak_sees_a_temporary_allocation(self):
+    n = 64 << 20
+    with bm.PeakRSS() as m:
+      x = np.ones(n // 8)  # touched pages: resident
+      del x
+    self.assertTrue(m.reset_ok)
+    self.assertGreaterEqual(m.delta, 0.9 * n)
+    self.assertGreaterEqual(m.peak, m.before)
+    self.assertLess(m.after, m.peak)
+
+
+if __name__ == "__main__":
+  absltest.main()
