@@ -1,0 +1,188 @@
+"""Quantized and low-precision KV caches, for every attention variant.
+
+Invariants: stored dtype and scale shapes are what the policy asks for (the
+MLA latent is quantized as a latent); bytes per token = real nbytes incl.
+scales; int8 round trip is within half a quantization step; decode logits
+with a quantized cache stay within a bound of the float32 cache; bfloat16
+compute runs and stays close to float32; bad kv dtypes raise.
+"""
+
+import functools
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import kvjax
+from kvjax import model
+from kvjax import quant
+import model as model_presets  # configs/model.py (see conftest.py)
+
+VARIANTS = model_presets.VARIANTS
+KV_DTYPES = ("float32", "bfloat16", "float16", "int8")
+
+
+@functools.lru_cache(maxsize=None)
+def tiny(variant: str) -> kvjax.ModelConfig:
+  # Wide logit margins (see test_core.py).
+  return kvjax.ModelConfig.from_dict(
+      dict(model_presets.model_dict(variant, "tiny"), init_scale=0.15))
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_params(variant: str):
+  return kvjax.init_params(tiny(variant), jax.random.key(0))
+
+
+def _storage(cache):
+  """(payload arrays, scale arrays) of a cache of either kind."""
+  if isinstance(cache, kvjax.LatentCache):
+    return (cache.c_kv, cache.k_rope), (cache.c_scale, cache.r_scale)
+  return (cache.k, cache.v), (cache.k_scale, cache.v_scale)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "n_prompt"))
+def _prefill_then_decode(params, config, tokens, cache, n_prompt):
+  mask = jnp.ones((tokens.shape[0], n_prompt), bool)
+  _, cache = model.prefill_logits(params, config, tokens[:, :n_prompt], mask,
+                                  cache, False)
+
+  def body(cache, tok_B):
+    logits_BV, cache = model.decode_logits(params, config, tok_B, cache)
+    return cache, logits_BV
+
+  cache, logits_TBV = jax.lax.scan(body, cache, tokens[:, n_prompt:].T)
+  return jnp.swapaxes(logits_TBV, 0, 1), cache
+
+
+@functools.lru_cache(maxsize=None)
+def teacher_forced_decode_logits(variant, kv_dtype, n_prompt=6, n_steps=6):
+  """Decode logits [B, n_steps, V] over one fixed token sequence (one
+  compiled program: prefill, then a scan of decode steps), and the cache."""
+  config, params = tiny(variant), tiny_params(variant)
+  tokens = jax.random.randint(jax.random.key(7), (2, n_prompt + n_steps), 0,
+                              config.vocab_size)
+  cache = kvjax.init_cache(config, 2, 16, dtype=kv_dtype)
+  return _prefill_then_decode(params, config, tokens, cache, n_prompt)
+
+
+class QuantizeTest(parameterized.TestCase):
+
+  def test_int8_round_trip_is_within_half_a_step(self):
+    x = jax.random.normal(jax.random.key(0), (3, 5, 16)) * jnp.arange(
+        1.0, 17.0)[None, None]
+    q, s = quant.quantize(x, jnp.int8)
+    chex.assert_shape(s, (3, 5))
+    self.assertEqual(q.dtype, jnp.int8)
+    np.testing.assert_allclose(s, jnp.max(jnp.abs(x), axis=-1) / 127.0,
+                               rtol=1e-6)
+    err = jnp.abs(quant.dequantize(q, s, jnp.float32) - x)
+    self.assertTrue(bool(jnp.all(err <= s[..., None] / 2 + 1e-6)))
+    # The largest entry of every vector is represented exactly (±127).
+    self.assertEqual(int(jnp.max(jnp.abs(q.astype(jnp.int32)))), 127)
+
+  def test_zero_vectors_stay_zero_and_finite(self):
+    q, s = quant.quantize(jnp.zeros((2, 8)), jnp.int8)
+    out = quant.dequantize(q, s, jnp.float32)
+    chex.assert_tree_all_finite(out)
+    np.testing.assert_array_equal(out, 0)
+
+  @parameterized.parameters("float32", "bfloat16", "float16")
+  def test_float_storage_is_a_cast(self, dtype):
+    x = jax.random.normal(jax.random.key(1), (4, 8))
+    q, s = quant.quantize(x, dtype)
+    self.assertIsNone(s)
+    self.assertEqual(q.dtype, jnp.dtype(dtype))
+    np.testing.assert_array_equal(quant.dequantize(q, None, jnp.float32),
+                                  x.astype(dtype).astype(jnp.float32))
+
+
+class QuantizedCacheTest(chex.TestCase):
+
+  @parameterized.product(variant=VARIANTS, kv_dtype=KV_DTYPES)
+  def test_storage_dtypes_shapes_and_bytes(self, variant, kv_dtype):
+    config = tiny(variant)
+    B, S = 2, 16
+    _, cache = teacher_forced_decode_logits(variant, kv_dtype)
+    payload, scales = _storage(cache)
+    L = config.num_layers
+    if config.attention == "mla":
+      # The latent stays latent when quantized: [L, B, S, C] and [L, B, S, R].
+      chex.assert_shape(payload, [(L, B, S, config.kv_lora_rank),
+                                  (L, B, S, config.qk_rope_head_dim)])
+      scale_shape = (L, B, S)
+    else:
+      K, H = config.num_kv_heads, config.head_dim
+      chex.assert_shape(payload, [(L, B, K, S, H)] * 2)
+      scale_shape = (L, B, K, S)
+    for x in payload:
+      self.assertEqual(x.dtype, jnp.dtype(kv_dtype))
+    if kv_dtype == "int8":
+      chex.assert_shape(scales, [scale_shape] * 2)
+      for s in scales:
+        self.assertEqual(s.dtype, jnp.float32)
+      # Filled slots carry positive scales; empty ones zero.
+      filled = np.asarray(cache.positions >= 0)
+      s0 = np.asarray(scales[0][0])
+      s0 = s0 if s0.ndim == 2 else s0.max(axis=1)
+      self.assertTrue((s0[filled] > 0).all())
+      self.assertTrue((s0[~filled] == 0).all())
+    else:
+      self.assertEqual(scales, (None, None))
+    nbytes = sum(x.size * x.dtype.itemsize for x in payload + scales
+                 if x is not None)
+    self.assertEqual(kvjax.kv_bytes_per_token(config, kv_dtype) * B * S,
+                     nbytes)
+    self.assertEqual(kvjax.cache_bytes(cache)["kv"], nbytes)
+
+  @parameterized.product(variant=VARIANTS,
+                         kv_dtype=("bfloat16", "float16", "int8"))
+  def test_decode_logit_error_is_bounded(self, variant, kv_dtype):
+    ref, _ = teacher_forced_decode_logits(variant, "float32")
+    got, _ = teacher_forced_decode_logits(variant, kv_dtype)
+    chex.assert_tree_all_finite(got)
+    err = float(jnp.max(jnp.abs(got - ref)))
+    scale = float(jnp.max(jnp.abs(ref)))
+    # Per-element storage error is ≤ 2^-9 (bf16), 2^-12 (f16) or 1/254 of
+    # the vector max (int8); through softmax and 2 layers it stays a few
+    # percent of the logit range. A wrong scale or layout breaks this.
+    bound = {"bfloat16": 0.03, "float16": 0.005, "int8": 0.05}[kv_dtype]
+    self.assertLess(err, bound * scale, (err, scale))
+    self.assertGreater(err, 0.0)  # the cache really was stored lossy
+
+  @parameterized.parameters(*VARIANTS)
+  def test_bfloat16_compute_runs_close_to_float32(self, variant):
+    config, params = tiny(variant), tiny_params(variant)
+    tokens = jax.random.randint(jax.random.key(2), (2, 8), 0,
+                                config.vocab_size)
+    ref = kvjax.forward(params, config, tokens)
+    bf = config.replace(compute_dtype="bfloat16")
+    got = kvjax.forward(params, bf, tokens)
+    self.assertEqual(got.dtype, jnp.float32)
+    chex.assert_tree_all_finite(got)
+    err = float(jnp.max(jnp.abs(got - ref)))
+    self.assertLess(err, 0.05 * float(jnp.max(jnp.abs(ref))))
+    self.assertGreater(err, 0.0)  # the compute really ran in bfloat16
+
+
+class BadInputTest(parameterized.TestCase):
+
+  @parameterized.parameters("int4", "float64", "fp8")
+  def test_unsupported_kv_dtype_names_the_field(self, kv_dtype):
+    with self.assertRaisesRegex(ValueError, "kv_dtype"):
+      kvjax.CachePolicy(kv_dtype=kv_dtype)
+
+  def test_unsupported_dtype_in_bytes_formula(self):
+    with self.assertRaisesRegex(ValueError, "kv dtype"):
+      kvjax.kv_bytes_per_token(tiny("gqa"), "int4")
+
+  def test_unsupported_key_quant_names_the_field(self):
+    with self.assertRaisesRegex(ValueError, "key_quant"):
+      kvjax.CachePolicy(kv_dtype="int8", key_quant="group")
+
+
+if __name__ == "__main__":
+  absltest.main()
