@@ -622,7 +622,9 @@ def run(model_config, config: TrainConfig,
                "tokens (%d evaluated)", model_config.variant,
                kvjax.param_count(model_config), streams.train.shape[0],
                streams.validation.shape[0], val_batches[..., 1:].size)
-  params = kvjax.init_params(model_config, jax.random.key(config.seed))
+  # One compiled program instead of one dispatch (and compile) per tensor.
+  params = jax.jit(kvjax.init_params, static_argnums=0)(
+      model_config, jax.random.key(config.seed))
   state = create_train_state(params, model_logits_fn(model_config),
                              make_optimizer(config))
   start = time.perf_counter()
