@@ -1,0 +1,178 @@
+"""The main job: load or build a model, generate with the KV cache, measure
+prefill and decode, account for the cache's bytes, and verify the cached
+tokens against the no-cache recompute.
+
+`experiments/generate.py` is a thin absl main over `run`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax import cache as cache_lib
+from kvjax import inference
+from kvjax import model
+from kvjax.config import ModelConfig
+from kvjax.sampling import Sampler
+
+# The small byte-level model trained by `experiments/train.py` and shipped
+# with the repository (see WORKSPACE.md for the command that produced it).
+SHIPPED_MODEL = os.path.join(os.path.dirname(os.path.dirname(__file__)),
+                             "checkpoints", "austen-gqa")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedModel:
+  config: ModelConfig
+  params: Any
+  source: str
+  byte_level: bool  # prompts are text encoded with `kvjax.data`
+
+
+def load_model(*, checkpoint: str = "", trained: str = "",
+               config: ModelConfig | None = None, seed: int = 0
+               ) -> LoadedModel:
+  """A Hugging Face checkpoint dir, a kvjax training workdir, or random init.
+
+  Args:
+    checkpoint: Hugging Face directory (config.json + *.safetensors).
+    trained: a kvjax training workdir (`experiments/train.py --workdir`).
+    config: used for a seeded random init when neither path is given.
+  """
+  if checkpoint:
+    from kvjax import checkpoint as ckpt  # pylint: disable=g-import-not-at-top
+    cfg, params = ckpt.load_checkpoint(checkpoint)
+    return LoadedModel(cfg, params, f"hf:{checkpoint}", False)
+  if trained:
+    from kvjax import train  # pylint: disable=g-import-not-at-top
+    cfg, params = train.restore_params(trained)
+    return LoadedModel(cfg, params, f"trained:{trained}", True)
+  if config is None:
+    raise ValueError("give a checkpoint, a trained workdir or a config")
+  params = model.init_params(config, jax.random.key(seed))
+  return LoadedModel(config, params, f"random(seed={seed})", False)
+
+
+def prompt_tokens(loaded: LoadedModel, *, text: str, batch: int,
+                  prompt_len: int, seed: int) -> np.ndarray:
+  """[B, T] prompt ids: the encoded text for byte-level models, else seeded
+  random ids of length `prompt_len`."""
+  if loaded.byte_level and text:
+    from kvjax import data  # pylint: disable=g-import-not-at-top
+    ids = data.encode(text)
+    return np.tile(ids[None], (batch, 1)).astype(np.int32)
+  rng = np.random.default_rng(seed)
+  return rng.integers(0, loaded.config.vocab_size, (batch, prompt_len),
+                      dtype=np.int32)
+
+
+def _timed(fn, repeats: int):
+  """Median wall time of `fn()` (results blocked on), after one warm-up."""
+  out = jax.block_until_ready(fn())
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(fn())
+    times.append(time.perf_counter() - t0)
+  return out, float(np.median(times))
+
+
+def run(loaded: LoadedModel, tokens: np.ndarray, *, max_new_tokens: int,
+        policy: cache_lib.CachePolicy, capacity: int = 0,
+        sampler: Sampler = Sampler(), seed: int = 0, verify_steps: int = 0,
+        repeats: int = 3) -> dict[str, Any]:
+  """Generates, times and verifies. Returns a JSON-able report.
+
+  Timing: prefill alone and the whole `generate` (prefill + lax.scan decode)
+  are each compiled once, then timed `repeats` times (median); decode
+  tokens/s = (max_new_tokens − 1) / (generate − prefill), since the first
+  token comes from the prefill logits.
+  """
+  cfg, params = loaded.config, loaded.params
+  B, T = tokens.shape
+  capacity = capacity or inference.default_capacity(
+      inference.bucket_length(T), max_new_tokens)
+  rng = jax.random.key(seed)
+
+  def gen():
+    return inference.generate(params, cfg, tokens, max_new_tokens,
+                              sampler=sampler, rng=rng, capacity=capacity,
+                              policy=policy, return_cache=True)
+
+  def pre():
+    cache = cache_lib.init_cache(cfg, B, capacity, policy=policy)
+    return inference.prefill(params, cfg, tokens, cache)
+
+  t0 = time.perf_counter()
+  jax.block_until_ready(pre())
+  compile_prefill = time.perf_counter() - t0
+  t0 = time.perf_counter()
+  jax.block_until_ready(gen())
+  compile_generate = time.perf_counter() - t0
+  _, t_prefill = _timed(pre, repeats)
+  (ids, _, cache), t_generate = _timed(gen, repeats)
+  decode_time = max(t_generate - t_prefill, 1e-9)
+  bytes_ = cache_lib.cache_bytes(cache)
+  report = dict(
+      source=loaded.source, variant=cfg.variant, batch=B, prompt_len=T,
+      max_new_tokens=max_new_tokens, capacity=capacity,
+      policy=dataclasses.asdict(policy),
+      ids=np.asarray(ids).tolist(),
+      first_call_prefill_s=compile_prefill,
+      first_call_generate_s=compile_generate,
+      prefill_s=t_prefill, generate_s=t_generate,
+      decode_tokens_per_s=B * (max_new_tokens - 1) / decode_time,
+      decode_ms_per_step=1e3 * decode_time / max(max_new_tokens - 1, 1),
+      cache_total_bytes=bytes_["total"], cache_kv_bytes=bytes_["kv"],
+      cache_used_bytes=bytes_["used"],
+      kv_bytes_per_token=cache_lib.kv_bytes_per_token(cfg, policy.kv_dtype),
+  )
+  if loaded.byte_level:
+    from kvjax import data  # pylint: disable=g-import-not-at-top
+    report["text"] = [data.decode(row) for row in np.asarray(ids)]
+  if verify_steps:
+    n = min(verify_steps, max_new_tokens)
+    ref = inference.generate_no_cache(params, cfg, tokens, n, sampler=sampler,
+                                      rng=rng)
+    cached = inference.generate(params, cfg, tokens, n, sampler=sampler,
+                                rng=rng, capacity=capacity, policy=policy)
+    report["verify_steps"] = n
+    report["verify_equal"] = bool(np.array_equal(np.asarray(ref),
+                                                 np.asarray(cached)))
+  return report
+
+
+def format_report(r: dict[str, Any]) -> str:
+  mib = 2 ** 20
+  lines = [
+      f"model        {r['source']}  ({r['variant']})",
+      f"batch        {r['batch']} × prompt {r['prompt_len']} → "
+      f"{r['max_new_tokens']} new tokens, capacity {r['capacity']}, "
+      f"eviction {r['policy']['eviction']}, kv {r['policy']['kv_dtype']}",
+      f"prefill      {1e3 * r['prefill_s']:.1f} ms "
+      f"(first call incl. compile {r['first_call_prefill_s']:.2f} s)",
+      f"decode       {r['decode_tokens_per_s']:.1f} tokens/s "
+      f"({r['decode_ms_per_step']:.2f} ms/step; first generate call "
+      f"{r['first_call_generate_s']:.2f} s)",
+      f"cache        {r['cache_total_bytes'] / mib:.2f} MiB total, "
+      f"{r['cache_used_bytes'] / mib:.2f} MiB used, "
+      f"{r['kv_bytes_per_token']} bytes/token/sequence",
+  ]
+  if "verify_steps" in r:
+    verdict = "EQUAL" if r["verify_equal"] else "DIFFERENT"
+    lines.append(f"verify       first {r['verify_steps']} cached tokens vs "
+                 f"no-cache recompute: {verdict}")
+  if "text" in r:
+    for i, t in enumerate(r["text"]):
+      lines.append(f"text[{i}]      {t!r}")
+  else:
+    for i, row in enumerate(r["ids"][:4]):
+      lines.append(f"ids[{i}]       {row[:32]}{' ...' if len(row) > 32 else ''}")
+  return "\n".join(lines)
