@@ -2,6 +2,7 @@
 
 from kvjax.cache import (CachePolicy, KVCache, LatentCache, cache_bytes,
                          init_cache, kv_bytes_per_token)
+from kvjax.checkpoint import load_checkpoint
 from kvjax.config import MoEConfig, ModelConfig, RopeScaling
 from kvjax.inference import (decode_step, extend, forward, generate,
                              generate_no_cache, prefill, prefill_chunked)
@@ -13,5 +14,5 @@ __all__ = [
     "kv_bytes_per_token", "MoEConfig", "ModelConfig", "RopeScaling",
     "decode_step", "extend", "forward", "generate", "generate_no_cache",
     "prefill", "prefill_chunked", "init_params", "param_count", "GREEDY",
-    "Sampler",
+    "Sampler", "load_checkpoint",
 ]

@@ -84,6 +84,19 @@ class MoEConfig:
       raise ValueError(
           f"moe.num_groups={self.num_groups} must divide "
           f"num_experts={self.num_experts}")
+    if self.expert_dim < 1 or self.num_shared_experts < 0:
+      raise ValueError(
+          f"moe.expert_dim={self.expert_dim} must be >= 1 and "
+          f"moe.num_shared_experts={self.num_shared_experts} >= 0")
+    if not 1 <= self.topk_groups <= self.num_groups:
+      raise ValueError(f"moe.topk_groups={self.topk_groups} must be in "
+                       f"[1, num_groups={self.num_groups}]")
+    if (self.topk_method == "noaux_tc" and
+        self.num_experts // self.num_groups < 2):
+      # A noaux_tc group is scored by the sum of its two best experts.
+      raise ValueError(
+          f"moe.topk_method='noaux_tc' needs >= 2 experts per group, got "
+          f"num_experts={self.num_experts}, num_groups={self.num_groups}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,7 +224,9 @@ class ModelConfig:
   def softmax_scale(self) -> float:
     scale = self.head_dim ** -0.5
     rs = self.rope_scaling
-    if self.attention == "mla" and rs.kind == "yarn" and rs.mscale_all_dim:
+    # As DeepSeek's yarn_get_mscale: no correction when factor <= 1.
+    if (self.attention == "mla" and rs.kind == "yarn" and rs.mscale_all_dim
+        and rs.factor > 1):
       m = 0.1 * rs.mscale_all_dim * math.log(rs.factor) + 1.0
       scale *= m * m
     return scale
