@@ -1,0 +1,176 @@
+"""The attention-variant ablation: quality against KV bytes per token.
+
+Trains MHA, MQA, GQA and MLA at matched parameter count on identical data,
+steps and seeds (`configs/train.py`), then reports per variant: validation
+loss and bits per byte (per seed, mean, spread), KV bytes per token, and
+batch-1 decode tokens/s of the trained model (all variants timed
+interleaved in one run, so the ratios share the machine's load).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import statistics
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import numpy as np
+
+from kvjax import benchmarking
+from kvjax import cache as cache_lib
+from kvjax import inference
+from kvjax import train
+from kvjax.config import ModelConfig
+from kvjax.model import param_count
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  variant: str
+  seed: int
+  workdir: str
+  bits_per_byte: float
+  loss: float
+  wall_s: float
+
+
+def train_all(model_configs: Mapping[str, ModelConfig],
+              train_config: train.TrainConfig, seeds: Sequence[int],
+              workdir: str | os.PathLike,
+              run_fn: Callable[..., dict[str, Any]] = train.run) -> list[Run]:
+  """Trains every (variant, seed) into workdir/<variant>-s<seed>.
+
+  A finished run (its final.json exists) is not retrained, so an
+  interrupted ablation resumes where it stopped.
+  """
+  runs = []
+  for seed in seeds:
+    for variant, mc in model_configs.items():
+      wd = pathlib.Path(workdir) / f"{variant}-s{seed}"
+      final_path = wd / "final.json"
+      if final_path.exists():
+        final = json.loads(final_path.read_text())
+      else:
+        final = run_fn(mc, dataclasses.replace(train_config, seed=seed), wd)
+      runs.append(Run(variant, seed, str(wd), final["bits_per_byte"],
+                      final["loss"], final.get("wall_s", float("nan"))))
+  return runs
+
+
+def decode_speed(model_configs: Mapping[str, ModelConfig],
+                 params: Mapping[str, Any], *, prompt_len: int = 128,
+                 new_tokens: int = 128, repeats: int = 5
+                 ) -> dict[str, float]:
+  """Batch-1 decode tokens/s of each model, timed interleaved.
+
+  Times `generate` (prefill + scan decode) and prefill alone; decode
+  tokens/s = (new_tokens − 1) / (generate − prefill) from the medians.
+  """
+  fns = {}
+  for name, mc in model_configs.items():
+    p = params[name]
+    tokens = np.random.default_rng(0).integers(
+        0, mc.vocab_size, (1, prompt_len), dtype=np.int32)
+    capacity = inference.default_capacity(prompt_len, new_tokens)
+
+    def gen(p=p, mc=mc, tokens=tokens, capacity=capacity):
+      return inference.generate(p, mc, tokens, new_tokens, capacity=capacity)
+
+    def pre(p=p, mc=mc, tokens=tokens, capacity=capacity):
+      cache = cache_lib.init_cache(mc, 1, capacity)
+      return inference.prefill(p, mc, tokens, cache)
+
+    fns[f"{name}/generate"] = gen
+    fns[f"{name}/prefill"] = pre
+  timings = benchmarking.time_alternating(fns, warmup=1, repeats=repeats)
+  return {name: (new_tokens - 1) / max(
+      timings[f"{name}/generate"].median - timings[f"{name}/prefill"].median,
+      1e-9) for name in model_configs}
+
+
+def summarize(runs: Sequence[Run], model_configs: Mapping[str, ModelConfig],
+              tokens_per_s: Mapping[str, float]) -> list[dict[str, Any]]:
+  """One row per variant: bpb per seed, mean and spread, bytes, speed."""
+  rows = []
+  for variant, mc in model_configs.items():
+    bpb = [r.bits_per_byte for r in runs if r.variant == variant]
+    rows.append(dict(
+        variant=variant, params=param_count(mc),
+        kv_bytes_per_token=cache_lib.kv_bytes_per_token(mc),
+        bpb_per_seed=bpb, bpb_mean=statistics.mean(bpb),
+        bpb_spread=(max(bpb) - min(bpb)) if len(bpb) > 1 else 0.0,
+        decode_tokens_per_s=tokens_per_s[variant],
+        train_wall_s=sum(r.wall_s for r in runs if r.variant == variant)))
+  return rows
+
+
+def markdown(rows: Sequence[Mapping[str, Any]]) -> str:
+  out = ["| variant | params | KV bytes/token | val bits/byte per seed | "
+         "mean | spread (max−min) | decode tok/s (batch 1) |",
+         "|---|---|---|---|---|---|---|"]
+  for r in rows:
+    seeds = ", ".join(f"{b:.4f}" for b in r["bpb_per_seed"])
+    out.append(f"| {r['variant']} | {r['params'] / 1e6:.3f} M | "
+               f"{r['kv_bytes_per_token']:,} | {seeds} | {r['bpb_mean']:.4f} | "
+               f"{r['bpb_spread']:.4f} | {r['decode_tokens_per_s']:.0f} |")
+  return "\n".join(out)
+
+
+def plot(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike) -> None:
+  """Validation bits/byte against KV bytes per token (one point per seed)."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig, ax = plt.subplots(figsize=(6.4, 4.4))
+  for r in rows:
+    x = r["kv_bytes_per_token"]
+    ax.scatter([x] * len(r["bpb_per_seed"]), r["bpb_per_seed"], alpha=0.5)
+    ax.errorbar([x], [r["bpb_mean"]], fmt="o", color="black", ms=3)
+    ax.annotate(r["variant"], (x, r["bpb_mean"]), textcoords="offset points",
+                xytext=(6, 4))
+  ax.set_xscale("log", base=2)
+  ax.set_xlabel("KV cache bytes per token (float32, all layers)")
+  ax.set_ylabel("validation bits per byte (lower is better)")
+  ax.set_title("Quality vs cache size at matched parameters")
+  ax.grid(alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def update_workspace(path: str | os.PathLike, section: str) -> None:
+  """Replaces the text between the ablation markers in WORKSPACE.md."""
+  begin, end = "<!-- ablation:begin -->", "<!-- ablation:end -->"
+  text = pathlib.Path(path).read_text()
+  if begin not in text or end not in text:
+    raise ValueError(f"{path} has no {begin} ... {end} markers")
+  head, rest = text.split(begin, 1)
+  _, tail = rest.split(end, 1)
+  pathlib.Path(path).write_text(f"{head}{begin}\n{section}\n{end}{tail}")
+
+
+def run_ablation(model_configs: Mapping[str, ModelConfig],
+                 train_config: train.TrainConfig, seeds: Sequence[int],
+                 workdir: str | os.PathLike) -> list[dict[str, Any]]:
+  """Trains, times and summarizes; writes ablation.json / .md / .png."""
+  t0 = time.perf_counter()
+  runs = train_all(model_configs, train_config, seeds, workdir)
+  params = {}
+  for variant in model_configs:
+    # Decode speed does not depend on the seed: time the first seed's model.
+    wd = next(r.workdir for r in runs if r.variant == variant)
+    _, params[variant] = train.restore_params(wd)
+  speed = decode_speed(model_configs, params)
+  rows = summarize(runs, model_configs, speed)
+  wd = pathlib.Path(workdir)
+  (wd / "ablation.json").write_text(json.dumps(
+      dict(rows=rows, runs=[dataclasses.asdict(r) for r in runs],
+           wall_s=time.perf_counter() - t0,
+           device=str(jax.devices()[0].device_kind)), indent=1))
+  (wd / "ablation.md").write_text(markdown(rows) + "\n")
+  plot(rows, wd / "ablation.png")
+  return rows
