@@ -206,8 +206,9 @@ def prefill_chunked(params, config: ModelConfig, tokens, cache,
   Returns:
     (logits [B, V] at the last position, new_cache)
   """
-  if chunk_size < 1:
-    raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+  if (not isinstance(chunk_size, (int, np.integer)) or
+      isinstance(chunk_size, bool) or chunk_size < 1):
+    raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
   check_tokens(tokens, config)
   mask = check_mask(attention_mask, tokens)
   B, T = tokens.shape
