@@ -20,6 +20,8 @@ after the other over the same cache.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -118,6 +120,52 @@ def param_count(config: ModelConfig) -> int:
   """Number of parameters, computed with `jax.eval_shape` (no allocation)."""
   shapes = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
   return sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(shapes))
+
+
+@functools.lru_cache(maxsize=64)
+def _expected_param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+  tree = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+  return {jax.tree_util.keystr(path): tuple(leaf.shape) for path, leaf in
+          jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _shape_fields(config: ModelConfig) -> str:
+  """The config fields that decide the parameter shapes, for error messages."""
+  names = ["vocab_size", "num_layers", "embed_dim", "num_heads", "mlp_dim"]
+  if config.attention == "mla":
+    names += ["kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
+              "v_head_dim", "q_lora_rank"]
+  else:
+    names += ["num_kv_heads", "head_dim_override", "qkv_bias", "o_bias"]
+  names.append("tie_embeddings")
+  return ", ".join(f"{n}={getattr(config, n)}" for n in names)
+
+
+def check_params(params, config: ModelConfig) -> None:
+  """Raises ValueError unless `params` has exactly the leaves and shapes that
+  `init_params(config, ...)` would build (dtypes are not checked: the block
+  casts to the compute dtype).
+
+  Catches params built for another config, e.g. an MLA nope/rope/v split or a
+  q_lora_rank that does not match the projections, before any compute. Shapes
+  only, so it also accepts tracers and `jax.ShapeDtypeStruct`s.
+  """
+  expected = _expected_param_shapes(config)
+  leaves, _ = jax.tree_util.tree_flatten_with_path(params)
+  got = {jax.tree_util.keystr(path): tuple(np.shape(leaf))
+         for path, leaf in leaves}
+  missing = sorted(set(expected) - set(got))
+  unexpected = sorted(set(got) - set(expected))
+  if missing or unexpected:
+    raise ValueError(
+        f"params do not match the config ({_shape_fields(config)}): missing "
+        f"{missing}, unexpected {unexpected}")
+  wrong = [f"param {name} has shape {got[name]}, the config implies "
+           f"{shape}" for name, shape in expected.items()
+           if got[name] != shape]
+  if wrong:
+    raise ValueError("; ".join(wrong) +
+                     f" (config: {_shape_fields(config)})")
 
 
 # ---- the block and the layer scan -------------------------------------------
