@@ -108,6 +108,18 @@ def _check_cache(cache, config: ModelConfig, batch: int):
   if L != config.num_layers:
     raise ValueError(f"cache has {L} layers, config.num_layers is "
                      f"{config.num_layers}")
+  # A cache built for another config fails deep inside the scatter otherwise.
+  if config.attention == "mla":
+    dims = dict(kv_lora_rank=(cache.c_kv.shape[3], config.kv_lora_rank),
+                qk_rope_head_dim=(cache.k_rope.shape[3],
+                                  config.qk_rope_head_dim))
+  else:
+    dims = dict(num_kv_heads=(cache.k.shape[2], config.num_kv_heads),
+                head_dim=(cache.k.shape[4], config.head_dim))
+  for field, (got, want) in dims.items():
+    if got != want:
+      raise ValueError(f"cache was built for {field}={got}, the config has "
+                       f"{field}={want}")
 
 
 # ---- jitted bodies ----------------------------------------------------------
@@ -144,6 +156,7 @@ def forward(params, config: ModelConfig, tokens, attention_mask=None):
   Returns:
     logits [B, T, V] float32 (rows of padding are finite and meaningless).
   """
+  model.check_params(params, config)
   check_tokens(tokens, config)
   mask = check_mask(attention_mask, tokens)
   return _forward(params, config, jnp.asarray(tokens, jnp.int32), mask)
@@ -163,6 +176,7 @@ def prefill(params, config: ModelConfig, tokens, cache, attention_mask=None,
   Returns:
     (logits [B, V] at the last position, or [B, T, V]; new_cache)
   """
+  model.check_params(params, config)
   check_tokens(tokens, config)
   _check_cache(cache, config, tokens.shape[0])
   mask = check_mask(attention_mask, tokens)
@@ -184,6 +198,7 @@ def extend(params, config: ModelConfig, tokens, cache, attention_mask=None,
   Returns:
     (logits [B, V] or [B, T, V], new_cache)
   """
+  model.check_params(params, config)
   check_tokens(tokens, config)
   _check_cache(cache, config, tokens.shape[0])
   policy = cache.policy
@@ -209,6 +224,7 @@ def prefill_chunked(params, config: ModelConfig, tokens, cache,
   if (not isinstance(chunk_size, (int, np.integer)) or
       isinstance(chunk_size, bool) or chunk_size < 1):
     raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+  model.check_params(params, config)
   check_tokens(tokens, config)
   mask = check_mask(attention_mask, tokens)
   B, T = tokens.shape
@@ -240,6 +256,7 @@ def decode_step(params, config: ModelConfig, token, cache):
   Returns:
     (logits [B, V] for the next token, new_cache)
   """
+  model.check_params(params, config)
   check_tokens(token, config, ndim=1, name="token")
   _check_cache(cache, config, token.shape[0])
   _check_fits(cache, 1, fresh=False, what="decode_step")
@@ -347,6 +364,7 @@ def generate(params, config: ModelConfig, tokens, max_new_tokens: int, *,
     new ids [B, max_new_tokens]; with return_logits / return_cache a tuple
     (ids, logits [B, max_new_tokens, V] or None, cache or None).
   """
+  model.check_params(params, config)
   check_tokens(tokens, config)
   if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be an int >= 1, got "
@@ -418,6 +436,7 @@ def generate_no_cache(params, config: ModelConfig, tokens,
   grows with its position as in a real recompute. Same signature and result
   as `generate` with the default (unbounded) cache.
   """
+  model.check_params(params, config)
   check_tokens(tokens, config)
   if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be an int >= 1, got "
