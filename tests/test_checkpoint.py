@@ -22,6 +22,7 @@ from absl.testing import parameterized
 import chex
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from safetensors import flax as st_flax
@@ -69,9 +70,10 @@ def _write(path, hf, *, dtype=np.float32, drop=(), extra=None, seed=0,
   tensors.update(extra or {})
   # `extra` tensors are written in their own dtype, the others in `dtype`.
   if dtype == jnp.bfloat16:
-    st_flax.save_file({k: jnp.asarray(v, v.dtype if k in (extra or {}) else
-                                      dtype) for k, v in tensors.items()},
-                      os.path.join(path, file))
+    # numpy casts; jnp.asarray only transfers (no per-shape compile).
+    st_flax.save_file({k: jnp.asarray(v if k in (extra or {}) else
+                                      v.astype(ml_dtypes.bfloat16))
+                       for k, v in tensors.items()}, os.path.join(path, file))
   else:
     st_numpy.save_file({k: v if k in (extra or {}) else v.astype(dtype)
                         for k, v in tensors.items()},
