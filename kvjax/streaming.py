@@ -224,49 +224,58 @@ def _recompute_nll(params, config, tokens_BN, t_M, window, micro_batch):
 
 
 def recompute_nll(params, config: ModelConfig, tokens, window: int, *,
-                  block: int = 1024, micro_batch: int = 64,
+                  stride: int = 1, block: int = 1024, micro_batch: int = 64,
                   log_every: int = 0):
   """The 'sliding window with recompute' baseline.
 
-  For every t the last `window` tokens (t-W, t] are run through a fresh,
-  cache-free forward with positions 0..W-1, and token t+1 is scored: O(W)
-  model tokens (and O(W^2) attention) per scored token. A cached window of
-  capacity W attends to the same W tokens, but their keys were computed
+  For every scored t the last `window` tokens (t-W, t] are run through a
+  fresh, cache-free forward with positions 0..W-1, and token t+1 is scored:
+  O(W) model tokens (and O(W^2) attention) per scored token. A cached window
+  of capacity W attends to the same W tokens, but their keys were computed
   from older contexts; the two agree exactly only for one-layer models.
 
   Args:
     tokens: [N] or [B, N] int ids.
     window: W >= 1, tokens of context per prediction (the current included).
+    stride: score every `stride`-th t (t = stride-1, 2·stride-1, ...), for
+      streams too long to recompute everywhere; 1 scores every token.
     block: positions per compiled call (the last block is padded).
     micro_batch: windows computed together inside a call (`lax.map`
       batch size); 1 gives the sequential per-token cost.
   Returns:
-    nll [B, N-1] float32 numpy, aligned with `stream_nll`.
+    nll [B, N-1] float32 numpy, aligned with `stream_nll`; NaN at the
+    positions not scored (stride > 1).
   """
   tokens_BN = _as_BN(tokens).astype(np.int32)
-  if window < 1:
-    raise ValueError(f"window must be >= 1, got {window}")
-  if block < 1 or micro_batch < 1:
-    raise ValueError(f"block and micro_batch must be >= 1, got {block}, "
-                     f"{micro_batch}")
+  for name, v in dict(window=window, stride=stride, block=block,
+                      micro_batch=micro_batch).items():
+    if v < 1:
+      raise ValueError(f"{name} must be >= 1, got {v}")
   if tokens_BN.shape[1] < 2:
     raise ValueError(f"tokens: a stream needs N >= 2 tokens, got "
                      f"{tokens_BN.shape[1]}")
   inference.check_tokens(tokens_BN, config)
   n = tokens_BN.shape[1] - 1
-  block = min(block, n)
+  scored = np.arange(stride - 1, n, stride, dtype=np.int32)
+  if scored.size == 0:
+    raise ValueError(f"stride={stride} scores no position of a {n}-token "
+                     "stream")
+  block = min(block, scored.size)
   micro_batch = min(micro_batch, block)
   stream = jnp.asarray(tokens_BN)
   out, logged = [], 0
-  for start, stop in _chunks(n, block):
+  for start, stop in _chunks(scored.size, block):
     # A fixed block shape: the last block repeats its final position.
-    t_M = np.minimum(np.arange(start, start + block), n - 1).astype(np.int32)
+    t_M = scored[np.minimum(np.arange(start, start + block), stop - 1)]
     nll_MB = _recompute_nll(params, config, stream, t_M, window, micro_batch)
     out.append(np.asarray(nll_MB)[:stop - start].T)
-    if log_every and stop - logged >= log_every:
+    if log_every and stop - logged >= log_every // stride:
       logged = stop
-      logging.info("recompute_nll W=%d: %d/%d tokens", window, stop, n)
-  return np.concatenate(out, axis=1)
+      logging.info("recompute_nll W=%d: %d/%d positions", window, stop,
+                   scored.size)
+  nll = np.full(tokens_BN.shape[:1] + (n,), np.nan, np.float32)
+  nll[:, scored] = np.concatenate(out, axis=1)
+  return nll
 
 
 # ---- policies by name -----------------------------------------------------------
@@ -336,11 +345,14 @@ def parse_policy(name: str, capacity: int, stream_len: int,
 
 
 def evaluate(params, config: ModelConfig, tokens, row: StreamPolicy, *,
-             chunk: int = 512, micro_batch: int = 64, log_every: int = 0):
-  """Per-token NLL [B, N-1] of one table row, by its fastest exact path."""
+             chunk: int = 512, micro_batch: int = 64, recompute_stride: int = 1,
+             log_every: int = 0):
+  """Per-token NLL [B, N-1] of one table row, by its fastest exact path
+  (NaN where recompute with `recompute_stride` > 1 did not score)."""
   if row.policy is None:
     return recompute_nll(params, config, tokens, row.capacity,
-                         micro_batch=micro_batch, log_every=log_every)
+                         stride=recompute_stride, micro_batch=micro_batch,
+                         log_every=log_every)
   tokens_BN = _as_BN(tokens)
   cache = cache_lib.init_cache(config, tokens_BN.shape[0], row.capacity,
                                policy=row.policy)
@@ -351,13 +363,22 @@ def evaluate(params, config: ModelConfig, tokens, row: StreamPolicy, *,
 
 
 # ---- summaries ------------------------------------------------------------------
-def perplexity(nll) -> float:
-  """exp(mean NLL) over every scored token."""
-  return float(np.exp(np.mean(np.asarray(nll, np.float64))))
+def perplexity(nll, where=None) -> float:
+  """exp(mean NLL) over the scored tokens (`where`: bool mask, default all).
+
+  A NaN inside `where` (a non-finite logit) makes the result NaN.
+  """
+  nll = np.asarray(nll, np.float64)
+  if where is not None:
+    nll = nll[np.broadcast_to(where, nll.shape)]
+  if nll.size == 0:
+    raise ValueError("perplexity of no tokens")
+  return float(np.exp(np.mean(nll)))
 
 
 def perplexity_by_position(nll, bin_size: int):
-  """Perplexity in consecutive bins of positions (averaged over the batch).
+  """Perplexity in consecutive bins of positions (averaged over the batch;
+  NaN entries — positions a strided recompute did not score — are skipped).
 
   Args:
     nll: [B, N-1] or [N-1].
@@ -366,39 +387,106 @@ def perplexity_by_position(nll, bin_size: int):
     (centres [nb] (position of the predicted token), ppl [nb]) numpy.
   """
   nll = np.asarray(nll, np.float64)
-  nll = nll.reshape(-1, nll.shape[-1]).mean(axis=0)
-  nb = len(nll) // bin_size
+  nll = nll.reshape(-1, nll.shape[-1])
+  nb = nll.shape[1] // bin_size
   if nb < 1:
-    raise ValueError(f"bin_size={bin_size} exceeds the {len(nll)} positions")
-  bins = nll[:nb * bin_size].reshape(nb, bin_size)
+    raise ValueError(f"bin_size={bin_size} exceeds the {nll.shape[1]} "
+                     "positions")
+  bins = nll[:, :nb * bin_size].reshape(nll.shape[0], nb, bin_size)
+  bins = np.moveaxis(bins, 1, 0).reshape(nb, -1)
   # nll[t] scores the token at position t + 1.
   centres = np.arange(nb) * bin_size + (bin_size + 1) / 2
-  return centres, np.exp(bins.mean(axis=1))
+  with np.errstate(invalid="ignore"):
+    return centres, np.exp(np.nanmean(bins, axis=1))
+
+
+def summarize(nll_by_name: dict, rows: dict, capacity: int) -> list[dict]:
+  """One table line per row.
+
+  Args:
+    nll_by_name: name -> nll [B, N-1] (NaN = not scored).
+    rows: name -> StreamPolicy.
+    capacity: the bounded rows' S; `ppl_evicting` counts the tokens at
+      positions >= S, where the policies differ.
+  Returns:
+    dicts with name, eviction, positions, slots, scored, ppl (every scored
+    token), ppl_evicting, ppl_common (positions every row scored: the
+    recompute sample when it was strided).
+  """
+  common = None
+  for nll in nll_by_name.values():
+    # Not-scored positions are NaN in the same places in every batch row.
+    s = ~np.isnan(np.asarray(nll))
+    common = s if common is None else common & s
+  table = []
+  for name, nll in nll_by_name.items():
+    row = rows[name]
+    nll = np.asarray(nll)
+    scored = ~np.isnan(nll)
+    evicting = scored & (np.arange(nll.shape[-1]) + 1 >= capacity)
+    table.append(dict(
+        name=name,
+        eviction="recompute" if row.policy is None else row.policy.eviction,
+        positions="0..W-1" if row.policy is None else row.policy.positions,
+        slots=row.capacity, scored=int(scored.sum()),
+        ppl=perplexity(nll, scored),
+        ppl_evicting=perplexity(nll, evicting) if evicting.any() else None,
+        ppl_common=perplexity(nll, common) if common.any() else None))
+  return table
+
+
+def markdown_table(table: list[dict]) -> str:
+  """The summary as a Markdown table."""
+  fmt = lambda v: "—" if v is None else f"{v:.3f}"  # pylint: disable=g-long-lambda
+  lines = ["| policy | positions | cache slots | scored | PPL | PPL at "
+           "positions >= S | PPL on common positions |",
+           "|---|---|---|---|---|---|---|"]
+  for r in table:
+    lines.append(f"| {r['name']} | {r['positions']} | {r['slots']} | "
+                 f"{r['scored']} | {fmt(r['ppl'])} | "
+                 f"{fmt(r['ppl_evicting'])} | {fmt(r['ppl_common'])} |")
+  return "\n".join(lines)
+
+
+def plot_perplexity(curves: dict, path, *, capacity: int, train_len: int = 0,
+                    title: str = ""):
+  """Perplexity against position, one line per policy (PNG, log y axis).
+
+  Args:
+    curves: name -> (centres, ppl) from `perplexity_by_position`.
+    capacity: S, marked as a vertical line (eviction starts there).
+    train_len: the model's training context, marked when > 0.
+  """
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig, ax = plt.subplots(figsize=(8, 4.5))
+  for name, (x, y) in curves.items():
+    ax.plot(x, y, label=name, lw=1.3)
+  ax.axvline(capacity, color="grey", ls=":", lw=1)
+  ax.text(capacity, ax.get_ylim()[1], f" S={capacity}", va="top",
+          fontsize=8, color="grey")
+  if train_len:
+    ax.axvline(train_len, color="black", ls="--", lw=0.8)
+    ax.text(train_len, ax.get_ylim()[0], f" train context {train_len}",
+            va="bottom", fontsize=8)
+  ax.set_yscale("log")
+  ax.set_xlabel("position in the stream (tokens)")
+  ax.set_ylabel("perplexity (per byte-token), binned")
+  ax.set_title(title, fontsize=10)
+  ax.legend(fontsize=8, ncol=2)
+  ax.grid(alpha=0.3, which="both")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
 
 
 # ---- per-token latency ---------------------------------------------------------
-def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - t0)
-  return float(np.median(times))
-
-
-def time_decode_per_token(params, config: ModelConfig, policy, capacity: int,
-                          tokens, *, steps: int = 64, repeats: int = 5):
-  """Seconds per token of the cached decode at batch 1, cache full.
-
-  The cache is first filled with `capacity` tokens (so every timed step
-  evicts), then a compiled scan of `steps` decode steps is timed (median of
-  `repeats`, after a warm-up call) and divided by `steps`.
-
-  Args:
-    tokens: [N] ids with N >= capacity + steps * (repeats + 1).
-  """
-  tokens = np.asarray(tokens, np.int32).reshape(-1)
-  need = capacity + steps * (repeats + 1)
+def _decode_runner(params, config: ModelConfig, policy, capacity: int,
+                   tokens, steps: int, calls: int):
+  """A warmed-up callable decoding the next `steps` tokens at batch 1 into a
+  full cache (every step evicts); valid for `calls` calls."""
+  need = capacity + 1 + steps * (calls + 1)
   if tokens.shape[0] < need:
     raise ValueError(f"tokens: timing needs {need} tokens, got "
                      f"{tokens.shape[0]}")
@@ -416,14 +504,13 @@ def time_decode_per_token(params, config: ModelConfig, policy, capacity: int,
     return nll
 
   jax.block_until_ready(run())  # compile + warm up
-  return _median_seconds(run, repeats) / steps
+  return run
 
 
-def time_recompute_per_token(params, config: ModelConfig, window: int,
-                             tokens, *, steps: int = 16, repeats: int = 5):
-  """Seconds per token of the recompute baseline at batch 1 (one window at a
-  time: `micro_batch=1`), at positions >= window (full windows)."""
-  tokens = np.asarray(tokens, np.int32).reshape(-1)
+def _recompute_runner(params, config: ModelConfig, window: int, tokens,
+                      steps: int):
+  """A warmed-up callable scoring `steps` positions by recompute, one full
+  window at a time (`micro_batch=1`: the sequential per-token cost)."""
   if tokens.shape[0] < window + steps + 1:
     raise ValueError(f"tokens: timing needs {window + steps + 1} tokens, got "
                      f"{tokens.shape[0]}")
@@ -434,7 +521,41 @@ def time_recompute_per_token(params, config: ModelConfig, window: int,
     return _recompute_nll(params, config, stream, t_M, window, 1)
 
   jax.block_until_ready(run())
-  return _median_seconds(run, repeats) / steps
+  return run
+
+
+def time_rows(params, config: ModelConfig, rows, tokens, *, steps: int = 32,
+              rounds: int = 7) -> dict[str, float]:
+  """Median seconds per token at batch 1 of each row, in steady state.
+
+  Cached rows decode into a cache already full (so every step evicts);
+  recompute runs one full window per token. The rows are timed in
+  interleaved rounds (row 1, row 2, ..., then again) so that a noisy,
+  shared machine slows them alike; each timing covers `steps` tokens in one
+  compiled call (warmed up first) and is divided by `steps`.
+
+  Args:
+    rows: StreamPolicy per name.
+    tokens: [N] ids (N >= capacity + 1 + steps * (rounds + 1)).
+  Returns:
+    name -> median seconds per token.
+  """
+  tokens = np.asarray(tokens, np.int32).reshape(-1)
+  runners = {}
+  for name, row in rows.items():
+    if row.policy is None:
+      runners[name] = _recompute_runner(params, config, row.capacity, tokens,
+                                        steps)
+    else:
+      runners[name] = _decode_runner(params, config, row.policy,
+                                     row.capacity, tokens, steps, rounds)
+  times = {name: [] for name in rows}
+  for _ in range(rounds):
+    for name, run in runners.items():
+      t0 = time.perf_counter()
+      jax.block_until_ready(run())
+      times[name].append(time.perf_counter() - t0)
+  return {name: float(np.median(t)) / steps for name, t in times.items()}
 
 
 # ---- memory against tokens --------------------------------------------------------
@@ -470,3 +591,38 @@ def memory_trace(params, config: ModelConfig, tokens, cache, *,
     _, _, cache = _decode_scan(params, config, seg, seg, cache, False)
     trace.append(record(stop, cache))
   return trace, cache
+
+
+def plot_memory(traces: dict, path, *, capacity: int, title: str = ""):
+  """Cache bytes against tokens seen (PNG).
+
+  Args:
+    traces: label -> dict(variant=..., bounded=bool, trace=[memory_trace
+      records]); one colour per variant, solid = unbounded, dashed =
+      bounded.
+    capacity: S, where eviction starts (vertical line).
+  """
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig, ax = plt.subplots(figsize=(8, 4.5))
+  colours = {}
+  for label, t in traces.items():
+    c = colours.setdefault(t["variant"], f"C{len(colours)}")
+    x = [r["tokens"] for r in t["trace"]]
+    y = [r["used"] / 2**20 for r in t["trace"]]
+    ax.plot(x, y, color=c, ls="--" if t["bounded"] else "-", lw=1.6,
+            label=label)
+    if t["bounded"]:
+      ax.axhline(t["trace"][-1]["kv"] / 2**20, color=c, ls=":", lw=0.8)
+  ax.axvline(capacity, color="grey", ls=":", lw=1)
+  ax.text(capacity, ax.get_ylim()[1], f" eviction starts (S={capacity})",
+          va="top", fontsize=8, color="grey")
+  ax.set_xlabel("tokens seen (per sequence)")
+  ax.set_ylabel("cache bytes holding tokens (MiB)")
+  ax.set_title(title, fontsize=10)
+  ax.legend(fontsize=8, ncol=2)
+  ax.grid(alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
