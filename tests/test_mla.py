@@ -186,11 +186,9 @@ class MLALayerTest(chex.TestCase):
 
 class MLADecodeTest(parameterized.TestCase):
 
-  # q_lora changes only the queries, which both paths share: one path is
-  # enough with it (the layer test covers q_lora against the reference).
   @parameterized.named_parameters(
       (name(config(path, q)), path, q)
-      for path, q in (("absorbed", 0), ("naive", 0), ("absorbed", Q_LORA)))
+      for path in ("absorbed", "naive") for q in (0, Q_LORA))
   def test_decode_equals_forward_and_longer_prefill(self, path, q_lora):
     c, params = config(path, q_lora), params_for(q_lora)
     toks = tokens()
