@@ -395,3 +395,202 @@ def machine_info() -> dict[str, Any]:
   return dict(jax=jax.__version__, backend=jax.default_backend(),
               devices=[str(d) for d in jax.devices()],
               cpu_count=os.cpu_count(), loadavg=load)
+
+
+# ---- runners: the measurements the experiments report ----------------------
+def filled_cache(config: ModelConfig, batch: int, capacity: int, length: int,
+                 policy: cache_lib.CachePolicy | None = None, seed: int = 0):
+  """A cache that holds `length` tokens (positions 0..length-1) per sequence.
+
+  The payload is random (int8: random codes with positive scales): a decode
+  step does the same work whatever the values, so timing at position
+  `length` needs no prefill of `length` tokens.
+  """
+  policy = policy or cache_lib.CachePolicy()
+  if policy.eviction != "none":
+    raise ValueError("filled_cache models eviction='none' only, got "
+                     f"{policy.eviction!r}")
+  if not 0 <= length <= capacity:
+    raise ValueError(f"length={length} must be in [0, capacity={capacity}]")
+  cache = cache_lib.init_cache(config, batch, capacity, policy=policy)
+  leaves, treedef = jax.tree_util.tree_flatten(cache)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  storage = {id(x) for x in cache_lib._storage_leaves(cache)}  # pylint: disable=protected-access
+  out = []
+  for k, x in zip(keys, leaves):
+    if id(x) not in storage:
+      out.append(x)
+    elif x.dtype == jnp.int8:
+      out.append(jax.random.randint(k, x.shape, -127, 128, jnp.int32).astype(
+          jnp.int8))
+    elif x.ndim == (3 if isinstance(cache, cache_lib.LatentCache) else 4):
+      out.append(jax.random.uniform(k, x.shape, jnp.float32, 0.005, 0.02))
+    else:
+      out.append(jax.random.normal(k, x.shape, jnp.float32).astype(x.dtype))
+  cache = jax.tree_util.tree_unflatten(treedef, out)
+  pos = jnp.arange(capacity, dtype=jnp.int32)
+  positions = jnp.where(pos < length, pos, cache_lib.EMPTY)
+  return cache.replace(
+      positions=jnp.broadcast_to(positions, (batch, capacity)),
+      length=jnp.full((batch,), length, jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "steps"),
+                   donate_argnames=("cache",))
+def decode_loop(params, config, token_B, cache, steps: int):
+  """`steps` greedy decode steps in one `lax.scan` (the loop `generate`
+  runs). Returns (last token [B], new_cache)."""
+  from kvjax import model  # pylint: disable=g-import-not-at-top
+
+  def body(carry, _):
+    tok_B, cache = carry
+    logits_BV, cache = model.decode_logits(params, config, tok_B, cache)
+    return (jnp.argmax(logits_BV, axis=-1).astype(jnp.int32), cache), None
+
+  (tok_B, cache), _ = jax.lax.scan(body, (token_B, cache), None, length=steps)
+  return tok_B, cache
+
+
+def decode_step_seconds(params, config: ModelConfig, batch: int,
+                        position: int, *, steps: int = 8, warmup: int = 1,
+                        repeats: int = 5, kv_dtype: str = "float32",
+                        capacity: int | None = None) -> dict[str, Any]:
+  """Per-step decode latency with `position` tokens already cached.
+
+  Times `decode_loop` over `steps` steps (the scan `generate` runs, so no
+  per-call dispatch) and divides by `steps`. The cache is sized to what the
+  run needs unless `capacity` is given (attention reads every slot).
+
+  Returns:
+    step_s (median), Timing dict of the whole loops, capacity, tokens_per_s.
+  """
+  if position < 0 or steps < 1:
+    raise ValueError(f"position must be >= 0 and steps >= 1, got {position},"
+                     f" {steps}")
+  need = position + steps * (warmup + repeats)
+  capacity = capacity or need
+  if capacity < need:
+    raise ValueError(f"capacity={capacity} < {need} slots the run needs")
+  policy = cache_lib.CachePolicy(kv_dtype=kv_dtype)
+  state = [filled_cache(config, batch, capacity, position, policy)]
+  tok = jnp.zeros((batch,), jnp.int32)
+
+  def run():
+    out, state[0] = decode_loop(params, config, tok, state[0], steps)
+    return out
+
+  t = time_fn(run, warmup=warmup, repeats=repeats)
+  step = t.median / steps
+  return dict(step_s=step, tokens_per_s=batch / step, capacity=capacity,
+              loop=t.to_dict())
+
+
+def no_cache_step_seconds(params, config: ModelConfig, batch: int,
+                          position: int, *, warmup: int = 1,
+                          repeats: int = 3) -> dict[str, Any]:
+  """Latency of one no-cache step at `position`: the causal forward over the
+  `position + 1` tokens seen so far (what `generate_no_cache` recomputes for
+  every new token)."""
+  from kvjax import inference  # pylint: disable=g-import-not-at-top
+  T = position + 1
+  tokens = jax.random.randint(jax.random.key(0), (batch, T), 0,
+                              config.vocab_size)
+  mask = jnp.ones((batch, T), bool)
+  t = time_fn(lambda: inference._forward(params, config, tokens, mask),  # pylint: disable=protected-access
+              warmup=warmup, repeats=repeats)
+  return dict(step_s=t.median, timing=t.to_dict())
+
+
+def generate_seconds(params, config: ModelConfig, tokens, new_tokens: int, *,
+                     warmup: int = 1, repeats: int = 3, **kwargs) -> Timing:
+  """Wall time of `kvjax.generate` (prefill + every decode step)."""
+  from kvjax import inference  # pylint: disable=g-import-not-at-top
+  return time_fn(lambda: inference.generate(params, config, tokens,
+                                            new_tokens, **kwargs),
+                 warmup=warmup, repeats=repeats)
+
+
+def decode_throughput(params, config: ModelConfig, tokens, new_tokens: int,
+                      *, warmup: int = 1, repeats: int = 3,
+                      **kwargs) -> dict[str, Any]:
+  """Decode tokens/s of `kvjax.generate`, prefill excluded.
+
+  Times generate(new_tokens) and generate(1) (= prefill + first sample)
+  alternately; decode time = the difference of the medians, for
+  B·(new_tokens − 1) decoded tokens. The same definition is applied to
+  transformers in `experiments/peer_benchmark.py`.
+  """
+  from kvjax import inference  # pylint: disable=g-import-not-at-top
+  if new_tokens < 2:
+    raise ValueError(f"new_tokens must be >= 2, got {new_tokens}")
+  cap = inference.default_capacity(
+      inference.bucket_length(tokens.shape[1]), new_tokens)
+  kwargs.setdefault("capacity", cap)  # one cache size for both calls
+  t = time_alternating(dict(
+      generate=lambda: inference.generate(params, config, tokens, new_tokens,
+                                          **kwargs),
+      prefill=lambda: inference.generate(params, config, tokens, 1,
+                                         **kwargs)),
+                       warmup=warmup, repeats=repeats)
+  decode_s = t["generate"].median - t["prefill"].median
+  B = tokens.shape[0]
+  n = B * (new_tokens - 1)
+  return dict(tokens_per_s=n / decode_s, decode_s=decode_s,
+              step_s=decode_s / (new_tokens - 1),
+              generate=t["generate"].to_dict(), prefill=t["prefill"].to_dict())
+
+
+def prefill_seconds(params, config: ModelConfig, batch: int, length: int, *,
+                    warmup: int = 1, repeats: int = 3) -> dict[str, Any]:
+  """Latency of the jitted prefill of [batch, length] into a fresh cache."""
+  from kvjax import inference  # pylint: disable=g-import-not-at-top
+  tokens = jax.random.randint(jax.random.key(0), (batch, length), 0,
+                              config.vocab_size)
+  mask = jnp.ones((batch, length), bool)
+  caches = [cache_lib.init_cache(config, batch, length)
+            for _ in range(warmup + repeats)]
+  jax.block_until_ready(caches)
+
+  def run():
+    logits, _ = inference._prefill(params, config, tokens, mask,  # pylint: disable=protected-access
+                                   caches.pop(), False)
+    return logits
+
+  t = time_fn(run, warmup=warmup, repeats=repeats)
+  return dict(prefill_s=t.median, timing=t.to_dict())
+
+
+def no_cache_generate_seconds(params, config: ModelConfig, tokens,
+                              new_tokens: int) -> dict[str, Any]:
+  """Wall time of one `kvjax.generate_no_cache` run, compile excluded.
+
+  The run is long (every step recomputes the whole history), so it is not
+  repeated: every segment program it calls is compiled ahead (AOT, which
+  fills the compilation cache) and the compile time is reported apart.
+  Mirrors the segment schedule of `generate_no_cache` (bucket=True).
+  """
+  from kvjax import inference  # pylint: disable=g-import-not-at-top
+  from kvjax.sampling import GREEDY  # pylint: disable=g-import-not-at-top
+  B, T0 = tokens.shape
+  T = inference.bucket_length(T0)
+  total = T + new_tokens
+  buf = jnp.zeros((B, total), jnp.int32)
+  mask = jnp.ones((B, total), bool)
+  t0 = time.perf_counter()
+  done, segments = 0, []
+  while done < new_tokens:
+    length = T + done
+    P = min(total, inference.bucket_length(length + 1))
+    steps = min(new_tokens - done, P - length)
+    keys = jax.random.split(jax.random.key(0), steps)
+    inference._no_cache_segment.lower(  # pylint: disable=protected-access
+        params, config, buf[:, :P], mask[:, :P], jnp.int32(length), keys,
+        steps, GREEDY, False).compile()
+    segments.append(dict(P=P, steps=steps))
+    done += steps
+  compile_s = time.perf_counter() - t0
+  t0 = time.perf_counter()
+  jax.block_until_ready(inference.generate_no_cache(params, config, tokens,
+                                                    new_tokens))
+  return dict(total_s=time.perf_counter() - t0, compile_s=compile_s,
+              segments=segments)

@@ -1,0 +1,458 @@
+r"""Benchmarks: what the KV cache costs and saves, measured on this machine.
+
+  python experiments/benchmark.py --config=configs/model.py:gqa-medium \
+      --modes=positions,variants,roofline,memory,quant,sweep --workdir=/tmp/b
+
+Modes (each writes <mode>.json and, where it plots, <mode>.png to --workdir):
+  positions  per-step decode latency against position, with and without the
+             cache, and the total time to generate --new_tokens (issue 2).
+  variants   decode per-step latency and tokens/s of MLA naive vs absorbed vs
+             GQA / MHA / MQA at equal width, at --positions (issue 3).
+  roofline   this machine's read bandwidth and matmul peak, then for every
+             variant the bytes a batch-1 decode step must read and the FLOPs
+             of a batch × 128 prefill, as fractions of the measured limits;
+             compile times of prefill and decode at depth L and 2L.
+  memory     peak resident memory of a generate run against params + cache +
+             largest activation (run first: it reads the process's RSS).
+  quant      per kv_dtype: bytes per token (formula and real nbytes), max
+             decode-logit error against float32, perplexity on a trained
+             model (--trained or --checkpoint), decode tokens/s at long
+             context (--quant_batch × --quant_context).
+  sweep      decode step time against context length and batch for every
+             variant and kv_dtype (the cache-dominated regime).
+
+Multi-variant modes build `model_dict(variant, size)` for the preset's size.
+All logic lives in `kvjax.benchmarking`; this file only sequences and plots.
+"""
+
+import json
+import os
+import sys
+
+from absl import app
+from absl import flags
+from absl import logging
+import jax
+import jax.numpy as jnp
+import matplotlib
+import numpy as np
+from ml_collections import config_flags
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "configs"))
+import kvjax  # pylint: disable=g-import-not-at-top
+from kvjax import benchmarking as bm  # pylint: disable=g-import-not-at-top
+from kvjax import configs as cfg_lib  # pylint: disable=g-import-not-at-top
+from kvjax import inference  # pylint: disable=g-import-not-at-top
+import model as model_presets  # pylint: disable=g-import-not-at-top
+
+MODES = ("memory", "positions", "variants", "roofline", "quant", "sweep")
+KV_DTYPES = ("float32", "bfloat16", "int8")
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", os.path.join(os.path.dirname(__file__), "..", "configs",
+                           "model.py:gqa-small"),
+    "Model preset (configs/model.py:<variant>-<size>).", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", "/tmp/kvjax_benchmark",
+                               "Where JSON and PNG files go.")
+_MODES = flags.DEFINE_list("modes", ["positions"], f"Any of {MODES}.")
+_VARIANTS = flags.DEFINE_list("variants", list(model_presets.VARIANTS),
+                              "Variants for the multi-variant modes.")
+_POSITIONS = flags.DEFINE_list("positions", ["128", "256", "512", "1024",
+                                             "2048"],
+                               "Cached tokens at which a step is timed.")
+_BATCH = flags.DEFINE_integer("batch", 1, "Batch for positions / variants.")
+_PROMPT = flags.DEFINE_integer("prompt_len", 128, "Prompt length.")
+_NEW = flags.DEFINE_integer("new_tokens", 512,
+                            "Tokens generated in the total-time comparison.")
+_NO_CACHE = flags.DEFINE_bool("no_cache", True,
+                              "Also time the no-cache baseline (slow).")
+_STEPS = flags.DEFINE_integer("steps", 8, "Decode steps per timed loop.")
+_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed repeats (medians).")
+_PREFILL_BATCH = flags.DEFINE_integer("prefill_batch", 8,
+                                      "Batch of the roofline prefill.")
+_TRAINED = flags.DEFINE_string("trained", "",
+                               "kvjax training workdir for perplexity.")
+_CHECKPOINT = flags.DEFINE_string("checkpoint", "",
+                                  "HF checkpoint dir for perplexity.")
+_PPL_TOKENS = flags.DEFINE_integer("ppl_tokens", 2048,
+                                   "Validation tokens scored for perplexity.")
+_QUANT_BATCH = flags.DEFINE_integer("quant_batch", 16, "Long-context batch.")
+_QUANT_CONTEXT = flags.DEFINE_integer("quant_context", 4096,
+                                      "Long-context cached tokens.")
+_SWEEP_CONTEXTS = flags.DEFINE_list(
+    "sweep_contexts", ["256", "512", "1024", "2048", "4096", "8192"],
+    "Context lengths of the sweep.")
+_SWEEP_BATCHES = flags.DEFINE_list("sweep_batches", ["1", "8"],
+                                   "Batches of the sweep.")
+_SWEEP_DTYPES = flags.DEFINE_list("sweep_dtypes", list(KV_DTYPES),
+                                  "kv dtypes of the sweep.")
+
+
+def _ints(values):
+  return [int(v) for v in values]
+
+
+def _size() -> str:
+  return _CONFIG.value.preset.partition("-")[2] or "medium"
+
+
+def _variant_config(variant: str, **overrides) -> kvjax.ModelConfig:
+  return kvjax.ModelConfig.from_dict(
+      dict(model_presets.model_dict(variant, _size()), **overrides))
+
+
+def _params(config):
+  return jax.block_until_ready(kvjax.init_params(config, jax.random.key(0)))
+
+
+def _prompt(config, batch, length):
+  return jax.random.randint(jax.random.key(1), (batch, length), 0,
+                            config.vocab_size)
+
+
+def _save(name: str, result, fig=None):
+  os.makedirs(_WORKDIR.value, exist_ok=True)
+  path = os.path.join(_WORKDIR.value, f"{name}.json")
+  with open(path, "w") as f:
+    json.dump(result, f, indent=1, default=float)
+  logging.info("wrote %s", path)
+  if fig is not None:
+    png = os.path.join(_WORKDIR.value, f"{name}.png")
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    logging.info("wrote %s", png)
+
+
+# ---- memory -----------------------------------------------------------------
+def run_memory(config):
+  """Peak RSS of a generate run vs params + cache + largest activation."""
+  B, T, N = _BATCH.value, _PROMPT.value, _NEW.value
+  base = bm.current_rss_bytes()
+  params = _params(config)
+  tokens = _prompt(config, B, T)
+  cap = inference.default_capacity(inference.bucket_length(T), N)
+  with bm.PeakRSS() as first:  # compile + run
+    jax.block_until_ready(kvjax.generate(params, config, tokens, N))
+  with bm.PeakRSS() as second:  # run only (compiled)
+    jax.block_until_ready(kvjax.generate(params, config, tokens, N))
+  p_bytes = bm.param_bytes(params)
+  c_bytes = bm.tree_bytes(jax.eval_shape(
+      lambda: kvjax.init_cache(config, B, cap)))
+  act = bm.largest_activation_bytes(config, B, inference.bucket_length(T))
+  model_bytes = p_bytes + c_bytes + act
+  out = dict(batch=B, prompt_len=T, new_tokens=N, capacity=cap,
+             rss_before_params=base, params_bytes=p_bytes, cache_bytes=c_bytes,
+             largest_activation_bytes=act, model_bytes=model_bytes,
+             first_run=first.to_dict(), second_run=second.to_dict(),
+             first_run_ratio=(first.peak - base) / model_bytes,
+             second_run_ratio=(second.peak - base) / model_bytes)
+  logging.info("memory: params %.1f MB cache %.1f MB act %.1f MB; peak RSS "
+               "above the pre-params baseline: first run (incl. compile) "
+               "%.1f MB = %.2fx, second run %.1f MB = %.2fx",
+               p_bytes / 1e6, c_bytes / 1e6, act / 1e6,
+               (first.peak - base) / 1e6, out["first_run_ratio"],
+               (second.peak - base) / 1e6, out["second_run_ratio"])
+  _save("memory", out)
+
+
+# ---- positions (issue 2) ----------------------------------------------------
+def run_positions(config):
+  params = _params(config)
+  B, R = _BATCH.value, _REPEATS.value
+  rows = []
+  for pos in _ints(_POSITIONS.value):
+    row = dict(position=pos, cached=bm.decode_step_seconds(
+        params, config, B, pos, steps=_STEPS.value, repeats=R))
+    if _NO_CACHE.value:
+      row["no_cache"] = bm.no_cache_step_seconds(params, config, B, pos,
+                                                 repeats=max(2, R // 2))
+    logging.info("position %5d: cached %.2f ms/step%s", pos,
+                 1e3 * row["cached"]["step_s"],
+                 (" | no cache %.1f ms/step" % (1e3 * row["no_cache"]["step_s"])
+                  if "no_cache" in row else ""))
+    rows.append(row)
+  tokens = _prompt(config, B, _PROMPT.value)
+  gen = bm.generate_seconds(params, config, tokens, _NEW.value,
+                            repeats=max(1, R // 2))
+  total = dict(new_tokens=_NEW.value, cached_s=gen.median,
+               cached=gen.to_dict())
+  logging.info("generate %d tokens with the cache: %.2f s", _NEW.value,
+               gen.median)
+  if _NO_CACHE.value:
+    nc = bm.no_cache_generate_seconds(params, config, tokens, _NEW.value)
+    total.update(no_cache_s=nc["total_s"], no_cache=nc,
+                 speedup=nc["total_s"] / gen.median)
+    logging.info("generate %d tokens without the cache: %.1f s (compile "
+                 "%.1f s excluded): cache is %.1fx faster", _NEW.value,
+                 nc["total_s"], nc["compile_s"], total["speedup"])
+  c0, c1 = rows[0]["cached"]["step_s"], rows[-1]["cached"]["step_s"]
+  out = dict(preset=_CONFIG.value.preset, batch=B, prompt_len=_PROMPT.value,
+             rows=rows, total=total,
+             cached_last_over_first=c1 / c0, machine=bm.machine_info())
+  logging.info("cached step at position %d / at %d: %.2fx",
+               rows[-1]["position"], rows[0]["position"], c1 / c0)
+  fig, ax = plt.subplots(figsize=(6, 4))
+  xs = [r["position"] for r in rows]
+  ax.plot(xs, [1e3 * r["cached"]["step_s"] for r in rows], "o-",
+          label="with KV cache")
+  if _NO_CACHE.value:
+    ax.plot(xs, [1e3 * r["no_cache"]["step_s"] for r in rows], "s-",
+            label="no cache (recompute)")
+  ax.set(xscale="log", yscale="log", xlabel="position (cached tokens)",
+         ylabel="ms per decode step",
+         title=f"{_CONFIG.value.preset}, batch {B} (measured medians)")
+  ax.legend()
+  _save("positions", out, fig)
+
+
+# ---- variants (issue 3) -----------------------------------------------------
+def _variant_rows():
+  """(label, config) for every requested variant; MLA twice (naive and
+  absorbed decode)."""
+  rows = []
+  for v in _VARIANTS.value:
+    if model_presets.model_dict(v, _size())["attention"] == "mla":
+      for path in ("naive", "absorbed"):
+        c = _variant_config(v, mla_decode=path)
+        rows.append((f"{c.variant}-{path}", c))
+    else:
+      c = _variant_config(v)
+      rows.append((c.variant, c))
+  return rows
+
+
+def run_variants():
+  B, R = _BATCH.value, _REPEATS.value
+  positions = _ints(_POSITIONS.value)
+  out = dict(size=_size(), batch=B, positions=positions, variants={})
+  for label, config in _variant_rows():
+    params = _params(config)
+    steps = [bm.decode_step_seconds(params, config, B, p, steps=_STEPS.value,
+                                    repeats=R) for p in positions]
+    out["variants"][label] = dict(
+        kv_bytes_per_token=kvjax.kv_bytes_per_token(config),
+        params=kvjax.param_count(config), steps=steps)
+    logging.info("%-13s %s", label, "  ".join(
+        f"@{p}: {1e3 * s['step_s']:.2f} ms ({s['tokens_per_s']:.0f} tok/s)"
+        for p, s in zip(positions, steps)))
+    del params
+  fig, ax = plt.subplots(figsize=(6, 4))
+  for label, row in out["variants"].items():
+    ax.plot(positions, [1e3 * s["step_s"] for s in row["steps"]], "o-",
+            label=label)
+  ax.set(xscale="log", xlabel="position (cached tokens)",
+         ylabel="ms per decode step",
+         title=f"{_size()}: decode step by attention variant, batch {B}")
+  ax.legend()
+  _save("variants", out, fig)
+
+
+# ---- roofline (issue 7.2) ---------------------------------------------------
+def probe_machine():
+  limits = dict(read=bm.read_bandwidth(), triad=bm.triad_bandwidth(),
+                matvec=bm.matvec_bandwidth(), matmul_f32=bm.matmul_peak(),
+                matmul_bf16=bm.matmul_peak(dtype="bfloat16"))
+  logging.info("machine: read %.1f GB/s, triad %.1f GB/s, matvec %.1f GB/s, "
+               "matmul f32 %.0f GFLOP/s, bf16 (f32 acc.) %.0f GFLOP/s",
+               limits["read"]["bytes_per_s"] / 1e9,
+               limits["triad"]["bytes_per_s"] / 1e9,
+               limits["matvec"]["bytes_per_s"] / 1e9,
+               limits["matmul_f32"]["flops_per_s"] / 1e9,
+               limits["matmul_bf16"]["flops_per_s"] / 1e9)
+  return limits
+
+
+def compile_times(config, batch, length):
+  """Prefill and decode compile seconds at depth L and 2L (no allocation:
+  the programs are lowered from shapes)."""
+  out = {}
+  for depth in (config.num_layers, 2 * config.num_layers):
+    c = config.replace(num_layers=depth)
+    params = jax.eval_shape(lambda c=c: kvjax.init_params(c,
+                                                          jax.random.key(0)))
+    cache = jax.eval_shape(lambda c=c: kvjax.init_cache(c, batch, 2 * length))
+    tok = jax.ShapeDtypeStruct((batch, length), jnp.int32)
+    mask = jax.ShapeDtypeStruct((batch, length), jnp.bool_)
+    out[depth] = dict(
+        prefill=bm.compile_seconds(inference._prefill, params, c, tok, mask,  # pylint: disable=protected-access
+                                   cache, False),
+        decode=bm.compile_seconds(inference._decode, params, c,  # pylint: disable=protected-access
+                                  jax.ShapeDtypeStruct((batch,), jnp.int32),
+                                  cache))
+  return out
+
+
+def run_roofline():
+  limits = probe_machine()
+  read_bw = limits["read"]["bytes_per_s"]
+  matvec_bw = limits["matvec"]["bytes_per_s"]
+  peak = limits["matmul_f32"]["flops_per_s"]
+  T, PB = _PROMPT.value, _PREFILL_BATCH.value
+  out = dict(size=_size(), limits=limits, machine=bm.machine_info(),
+             variants={})
+  for label, config in _variant_rows():
+    params = _params(config)
+    dec = bm.decode_step_seconds(params, config, 1, T, steps=_STEPS.value,
+                                 repeats=_REPEATS.value)
+    need = bm.decode_bytes_per_step(params, config, 1, T + 1)
+    achieved_bw = need["total"] / dec["step_s"]
+    pre = bm.prefill_seconds(params, config, PB, T, repeats=_REPEATS.value)
+    flops = bm.prefill_flops(config, PB, T)
+    achieved_flops = flops["total"] / pre["prefill_s"]
+    row = dict(decode=dec, decode_bytes=need,
+               decode_bytes_per_s=achieved_bw,
+               decode_fraction_of_read=achieved_bw / read_bw,
+               decode_fraction_of_matvec=achieved_bw / matvec_bw,
+               prefill=pre, prefill_flops=flops,
+               prefill_flops_per_s=achieved_flops,
+               prefill_fraction_of_peak=achieved_flops / peak,
+               compile=compile_times(config, 1, T))
+    out["variants"][label] = row
+    logging.info(
+        "%-13s decode b1@%d: %.2f ms, %.1f MB/step -> %.1f GB/s = %.0f%% of "
+        "read, %.0f%% of matvec | prefill %dx%d: %.1f ms, %.1f GFLOP -> %.0f "
+        "GFLOP/s = %.0f%% of peak | compile prefill/decode L=%d: %.1f/%.1f s,"
+        " 2L: %.1f/%.1f s", label, T, 1e3 * dec["step_s"], need["total"] / 1e6,
+        achieved_bw / 1e9, 100 * row["decode_fraction_of_read"],
+        100 * row["decode_fraction_of_matvec"], PB, T, 1e3 * pre["prefill_s"],
+        flops["total"] / 1e9, achieved_flops / 1e9,
+        100 * row["prefill_fraction_of_peak"], config.num_layers,
+        *[row["compile"][d][k]["total_s"]
+          for d in sorted(row["compile"]) for k in ("prefill", "decode")])
+    del params
+  _save("roofline", out)
+
+
+# ---- quantized caches (issue 7.4) -------------------------------------------
+def _perplexity(kv_dtypes):
+  """Validation perplexity of a trained model read token by token through a
+  cache of each kv dtype (None when no model is given)."""
+  if not (_TRAINED.value or _CHECKPOINT.value):
+    return None
+  from kvjax import data, job, streaming  # pylint: disable=g-import-not-at-top
+  loaded = job.load_model(trained=_TRAINED.value,
+                          checkpoint=_CHECKPOINT.value)
+  if not loaded.byte_level:
+    raise ValueError("perplexity needs a byte-level kvjax model (--trained)")
+  docs = data.split_documents(data.load_austen()).validation
+  stream = data.documents_to_stream(docs)[:_PPL_TOKENS.value + 1]
+  out = {}
+  for dt in kv_dtypes:
+    cache = kvjax.init_cache(loaded.config, 1, len(stream), dtype=dt)
+    nll, _ = streaming.stream_nll(loaded.params, loaded.config, stream, cache)
+    out[dt] = streaming.perplexity(nll)
+    logging.info("perplexity (%s, %d tokens) with a %s cache: %.4f",
+                 loaded.source, len(stream) - 1, dt, out[dt])
+  return dict(source=loaded.source, tokens=len(stream) - 1, by_dtype=out)
+
+
+def run_quant():
+  from kvjax import streaming  # pylint: disable=g-import-not-at-top
+  dtypes = ("float32", "bfloat16", "float16", "int8")
+  out = dict(size=_size(), variants={},
+             long_context=dict(batch=_QUANT_BATCH.value,
+                               context=_QUANT_CONTEXT.value))
+  for label, config in _variant_rows():
+    params = _params(config)
+    tokens = _prompt(config, 2, 64)
+    logits = {}
+    for dt in dtypes:
+      cache = kvjax.init_cache(config, 2, 64, dtype=dt)
+      _, cache = kvjax.prefill(params, config, tokens[:, :32], cache)
+      logits[dt], _ = streaming.decode_tokens(params, config, tokens[:, 32:],
+                                              cache)
+    rows = {}
+    for dt in dtypes:
+      real = kvjax.cache_bytes(kvjax.init_cache(config, 1, 1, dtype=dt))["kv"]
+      speed = bm.decode_step_seconds(
+          params, config, _QUANT_BATCH.value, _QUANT_CONTEXT.value,
+          steps=4, repeats=3, kv_dtype=dt)
+      rows[dt] = dict(
+          bytes_per_token=kvjax.kv_bytes_per_token(config, dt),
+          real_nbytes_per_token=real,
+          max_logit_error=float(jnp.max(jnp.abs(logits[dt] -
+                                                logits["float32"]))),
+          long_context=speed)
+      logging.info("%-13s %-8s %6d B/token (real %6d), max |dlogit| %.2e, "
+                   "b%d@%d: %.1f ms/step %.0f tok/s", label, dt,
+                   rows[dt]["bytes_per_token"], real,
+                   rows[dt]["max_logit_error"], _QUANT_BATCH.value,
+                   _QUANT_CONTEXT.value, 1e3 * speed["step_s"],
+                   speed["tokens_per_s"])
+    out["variants"][label] = rows
+    del params
+  out["perplexity"] = _perplexity(dtypes)
+  _save("quant", out)
+
+
+# ---- sweep (issue 7.6) ------------------------------------------------------
+def run_sweep():
+  contexts, batches = _ints(_SWEEP_CONTEXTS.value), _ints(_SWEEP_BATCHES.value)
+  out = dict(size=_size(), contexts=contexts, batches=batches, rows=[])
+  configs = [(label, c) for label, c in _variant_rows()
+             if not label.endswith("naive")]
+  for label, config in configs:
+    params = _params(config)
+    for dt in _SWEEP_DTYPES.value:
+      for B in batches:
+        for ctx in contexts:
+          s = bm.decode_step_seconds(params, config, B, ctx, steps=4,
+                                     repeats=3, kv_dtype=dt)
+          need = bm.decode_bytes_per_step(params, config, B, ctx + 1, dt)
+          out["rows"].append(dict(variant=label, kv_dtype=dt, batch=B,
+                                  context=ctx, step_s=s["step_s"],
+                                  bytes=need))
+          logging.info("%-13s %-8s b%-3d ctx %5d: %.2f ms/step (cache %.0f%% "
+                       "of the bytes)", label, dt, B, ctx, 1e3 * s["step_s"],
+                       100 * need["cache"] / need["total"])
+    del params
+  fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4.5),
+                           squeeze=False)
+  for ax, B in zip(axes[0], batches):
+    for label, _ in configs:
+      for dt, style in zip(_SWEEP_DTYPES.value, ("-", "--", ":", "-.")):
+        rows = [r for r in out["rows"] if r["variant"] == label and
+                r["kv_dtype"] == dt and r["batch"] == B]
+        ax.plot([r["context"] for r in rows],
+                [1e3 * r["step_s"] for r in rows], "o" + style,
+                label=f"{label} {dt}", markersize=3)
+    ax.set(xscale="log", yscale="log", xlabel="context (cached tokens)",
+           ylabel="ms per decode step", title=f"{_size()}, batch {B}")
+    ax.legend(fontsize=6, ncol=2)
+  _save("sweep", out, fig)
+
+
+def main(argv):
+  del argv
+  modes = _MODES.value
+  bad = sorted(set(modes) - set(MODES))
+  if bad:
+    raise ValueError(f"--modes: unknown {bad}; choose from {MODES}")
+  config = cfg_lib.model_config(_CONFIG.value.model)
+  logging.info("preset %s: %s, %.1fM params; machine %s",
+               _CONFIG.value.preset, config.variant,
+               kvjax.param_count(config) / 1e6, bm.machine_info())
+  # memory first: it measures the process's resident set.
+  for mode in MODES:
+    if mode not in modes:
+      continue
+    if mode == "memory":
+      run_memory(config)
+    elif mode == "positions":
+      run_positions(config)
+    elif mode == "variants":
+      run_variants()
+    elif mode == "roofline":
+      run_roofline()
+    elif mode == "quant":
+      run_quant()
+    elif mode == "sweep":
+      run_sweep()
+
+
+if __name__ == "__main__":
+  app.run(main)

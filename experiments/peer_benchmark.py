@@ -1,0 +1,202 @@
+r"""kvjax against Hugging Face transformers on the same weights (issue 7).
+
+  python experiments/peer_benchmark.py --config=configs/model.py:gqa-medium \
+      --batches=1,8 --workdir=/tmp/peer
+
+Builds a random Llama-style model of the preset's size with transformers,
+saves it as safetensors, loads the same weights into kvjax with
+`kvjax.load_checkpoint`, checks that both give the same prefill logits and
+greedy tokens, then times both alternately in one run (kvjax generate,
+kvjax prefill, transformers generate, transformers prefill, repeated; warm-up
+excluded; medians) at every batch. Decode tokens/s = B·(new − 1) /
+(t_generate − t_prefill), the same definition for both; prefill = a
+generate of one token. Prints the ratios, writes peer.json and peer.png.
+
+transformers and torch are optional (`pip install -e .[bench]`); without
+them the script exits with a message saying so.
+"""
+
+import json
+import os
+import sys
+import tempfile
+
+from absl import app
+from absl import flags
+from absl import logging
+import jax
+import matplotlib
+import numpy as np
+from ml_collections import config_flags
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+import kvjax  # pylint: disable=g-import-not-at-top
+from kvjax import benchmarking as bm  # pylint: disable=g-import-not-at-top
+from kvjax import configs as cfg_lib  # pylint: disable=g-import-not-at-top
+from kvjax import inference  # pylint: disable=g-import-not-at-top
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", os.path.join(os.path.dirname(__file__), "..", "configs",
+                           "model.py:gqa-medium"),
+    "Model preset (a gqa/mha/mqa preset: transformers builds a Llama).",
+    lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", "/tmp/kvjax_peer", "Output dir.")
+_BATCHES = flags.DEFINE_list("batches", ["1", "8"], "Batch sizes.")
+_PROMPT = flags.DEFINE_integer("prompt_len", 128, "Prompt tokens.")
+_NEW = flags.DEFINE_integer("new_tokens", 256, "Generated tokens.")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed rounds (medians).")
+_CHECK_TOKENS = flags.DEFINE_integer(
+    "check_tokens", 32, "Greedy tokens compared between the two (batch 1).")
+_OMP_PASSIVE = flags.DEFINE_bool(
+    "omp_passive", False,
+    "Set OMP_WAIT_POLICY=PASSIVE before importing torch (it sometimes "
+    "stalls ~8 ms per parallel region on this machine).")
+_TORCH_THREADS = flags.DEFINE_integer("torch_threads", 0,
+                                      "torch.set_num_threads (0: default).")
+_SEED = flags.DEFINE_integer("seed", 0, "Weights and prompt seed.")
+
+
+def _import_peer():
+  """(torch, transformers) or a clear SystemExit when they are absent."""
+  if _OMP_PASSIVE.value:
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+  try:
+    import torch  # pylint: disable=g-import-not-at-top
+    import transformers  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise SystemExit(
+        f"peer_benchmark needs torch and transformers ({e}). Install the "
+        "optional extra: pip install -e '.[bench]' (torch==2.13.0 CPU).")
+  return torch, transformers
+
+
+def hf_llama_config(transformers, config: kvjax.ModelConfig):
+  """The transformers LlamaConfig of a kvjax GQA-family config."""
+  if config.attention != "gqa" or config.is_moe:
+    raise ValueError(f"--config: the peer model is a Llama; attention="
+                     f"{config.attention!r} is not supported here")
+  return transformers.LlamaConfig(
+      vocab_size=config.vocab_size, hidden_size=config.embed_dim,
+      intermediate_size=config.mlp_dim, num_hidden_layers=config.num_layers,
+      num_attention_heads=config.num_heads,
+      num_key_value_heads=config.num_kv_heads, head_dim=config.head_dim,
+      max_position_embeddings=config.max_seq_len,
+      rms_norm_eps=config.rms_norm_eps, rope_theta=config.rope_theta,
+      tie_word_embeddings=config.tie_embeddings, attention_bias=False,
+      initializer_range=config.init_scale, bos_token_id=None,
+      eos_token_id=None, pad_token_id=None)
+
+
+def main(argv):
+  del argv
+  torch, transformers = _import_peer()
+  if _TORCH_THREADS.value:
+    torch.set_num_threads(_TORCH_THREADS.value)
+  config = cfg_lib.model_config(_CONFIG.value.model)
+  torch.manual_seed(_SEED.value)
+  hf_model = transformers.LlamaForCausalLM(hf_llama_config(transformers,
+                                                           config))
+  hf_model = hf_model.to(torch.float32).eval()
+  hf_model.generation_config.pad_token_id = None
+  hf_model.generation_config.eos_token_id = None
+  with tempfile.TemporaryDirectory() as tmp:
+    hf_model.save_pretrained(tmp, safe_serialization=True)
+    kv_config, params = kvjax.load_checkpoint(tmp)
+  params = jax.block_until_ready(params)
+  logging.info("preset %s: %.1fM params; torch %s (%d threads, "
+               "OMP_WAIT_POLICY=%s), transformers %s, attn %s",
+               _CONFIG.value.preset, kvjax.param_count(kv_config) / 1e6,
+               torch.__version__, torch.get_num_threads(),
+               os.environ.get("OMP_WAIT_POLICY", "default"),
+               transformers.__version__,
+               hf_model.config._attn_implementation)  # pylint: disable=protected-access
+
+  rng = np.random.default_rng(_SEED.value)
+  T, N = _PROMPT.value, _NEW.value
+
+  def hf_generate(ids, n):
+    with torch.inference_mode():
+      return hf_model.generate(ids, attention_mask=torch.ones_like(ids),
+                               max_new_tokens=n, min_new_tokens=n,
+                               do_sample=False)[:, ids.shape[1]:]
+
+  # ---- same weights, same answers -------------------------------------------
+  prompt = rng.integers(0, config.vocab_size, (1, T))
+  with torch.inference_mode():
+    hf_logits = hf_model(torch.from_numpy(prompt)).logits[0, -1].numpy()
+  kv_logits = np.asarray(kvjax.forward(params, kv_config, prompt)[0, -1])
+  logit_err = float(np.abs(hf_logits - kv_logits).max())
+  n_check = _CHECK_TOKENS.value
+  hf_ids = hf_generate(torch.from_numpy(prompt), n_check).numpy()
+  kv_ids = np.asarray(kvjax.generate(params, kv_config, prompt, n_check))
+  agree = int(np.cumprod(hf_ids[0] == kv_ids[0]).sum())
+  logging.info("prefill logits max |diff| %.2e; greedy tokens agree for %d "
+               "of %d", logit_err, agree, n_check)
+  if logit_err > 1e-3:
+    raise ValueError(f"kvjax and transformers disagree on the same weights: "
+                     f"max logit difference {logit_err:.3g}")
+
+  # ---- timing, alternating ---------------------------------------------------
+  results = dict(preset=_CONFIG.value.preset, prompt_len=T, new_tokens=N,
+                 torch=torch.__version__,
+                 transformers=transformers.__version__,
+                 torch_threads=torch.get_num_threads(),
+                 omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "default"),
+                 max_logit_diff=logit_err, greedy_agree=agree,
+                 greedy_checked=n_check, machine=bm.machine_info(),
+                 batches={})
+  for B in [int(b) for b in _BATCHES.value]:
+    ids = rng.integers(0, config.vocab_size, (B, T))
+    ids_t = torch.from_numpy(ids)
+    ids_j = jax.numpy.asarray(ids, jax.numpy.int32)
+    fns = dict(
+        kvjax_generate=lambda: kvjax.generate(params, kv_config, ids_j, N),
+        # The same cache size as the generate call: only the steps differ.
+        kvjax_prefill=lambda: kvjax.generate(
+            params, kv_config, ids_j, 1,
+            capacity=inference.default_capacity(
+                inference.bucket_length(T), N)),
+        hf_generate=lambda: (hf_generate(ids_t, N), None)[1],
+        hf_prefill=lambda: (hf_generate(ids_t, 1), None)[1])
+    t = bm.time_alternating(fns, warmup=1, repeats=_REPEATS.value)
+    row = {name: timing.to_dict() for name, timing in t.items()}
+    for who in ("kvjax", "hf"):
+      decode_s = t[f"{who}_generate"].median - t[f"{who}_prefill"].median
+      row[f"{who}_decode_tokens_per_s"] = B * (N - 1) / decode_s
+      row[f"{who}_prefill_s"] = t[f"{who}_prefill"].median
+    row["decode_ratio"] = (row["kvjax_decode_tokens_per_s"] /
+                           row["hf_decode_tokens_per_s"])
+    row["prefill_ratio"] = row["hf_prefill_s"] / row["kvjax_prefill_s"]
+    results["batches"][B] = row
+    logging.info(
+        "batch %d: decode kvjax %.1f tok/s, transformers %.1f tok/s -> %.2fx |"
+        " prefill %dx%d kvjax %.1f ms, transformers %.1f ms -> %.2fx", B,
+        row["kvjax_decode_tokens_per_s"], row["hf_decode_tokens_per_s"],
+        row["decode_ratio"], B, T, 1e3 * row["kvjax_prefill_s"],
+        1e3 * row["hf_prefill_s"], row["prefill_ratio"])
+
+  os.makedirs(_WORKDIR.value, exist_ok=True)
+  with open(os.path.join(_WORKDIR.value, "peer.json"), "w") as f:
+    json.dump(results, f, indent=1, default=float)
+  fig, ax = plt.subplots(figsize=(5, 3.5))
+  bs = list(results["batches"])
+  x = np.arange(len(bs))
+  for i, who in enumerate(("kvjax", "hf")):
+    ax.bar(x + 0.4 * i, [results["batches"][b][f"{who}_decode_tokens_per_s"]
+                         for b in bs], 0.4,
+           label="kvjax" if who == "kvjax" else "transformers")
+  ax.set(xticks=x + 0.2, xticklabels=[f"batch {b}" for b in bs],
+         ylabel="decode tokens/s",
+         title=f"{_CONFIG.value.preset}: same weights, same run")
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(os.path.join(_WORKDIR.value, "peer.png"), dpi=120)
+  print(json.dumps({b: dict(decode_ratio=r["decode_ratio"],
+                            prefill_ratio=r["prefill_ratio"])
+                    for b, r in results["batches"].items()}))
+
+
+if __name__ == "__main__":
+  sys.exit(app.run(main))
