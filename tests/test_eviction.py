@@ -333,6 +333,13 @@ class CachePositionsTest(parameterized.TestCase):
       want = streaming.token_nll(logits, tokens[0, 1:])
       chex.assert_trees_all_close(recompute[0], np.asarray(want), atol=ATOL,
                                   rtol=RTOL)
+      # A strided recompute scores the same values at every 3rd position.
+      strided = streaming.recompute_nll(params, config, tokens, S, stride=3,
+                                        block=16, micro_batch=4)[0]
+      scored = np.arange(n) % 3 == 2
+      np.testing.assert_allclose(strided[scored], recompute[0][scored],
+                                 atol=ATOL, rtol=RTOL)
+      self.assertTrue(np.isnan(strided[~scored]).all())
     else:
       ts = np.arange(S, n)
       ctx = np.stack([np.r_[tokens[0, :SINKS],
@@ -559,6 +566,23 @@ class BadInputTest(parameterized.TestCase):
         streaming.parse_policy(bad, 64, 1000)
     with self.assertRaisesRegex(ValueError, "num_sinks"):
       streaming.parse_policy("sinks64", 64, 1000)
+
+  def test_summary_table(self):
+    n, cap = 12, 4
+    rows = {name: streaming.parse_policy(name, cap, n + 1)
+            for name in ("dense", "sinks1", "recompute")}
+    nll = {"dense": np.log(np.full((1, n), 2.0)),
+           "sinks1": np.log(np.r_[np.full(cap - 1, 2.0),
+                                  np.full(n - cap + 1, 8.0)])[None],
+           "recompute": np.where(np.arange(n) % 2, np.log(4.0), np.nan)[None]}
+    table = {r["name"]: r for r in streaming.summarize(nll, rows, cap)}
+    self.assertEqual(table["recompute"]["scored"], n // 2)
+    self.assertAlmostEqual(table["recompute"]["ppl"], 4.0, places=5)
+    self.assertAlmostEqual(table["sinks1"]["ppl_evicting"], 8.0, places=5)
+    self.assertAlmostEqual(table["dense"]["ppl_common"], 2.0, places=5)
+    self.assertEqual(table["dense"]["slots"], n + 1)
+    md = streaming.markdown_table(list(table.values()))
+    self.assertEqual(len(md.splitlines()), 2 + len(rows))
 
   def test_perplexity_by_position(self):
     nll = np.log(np.r_[np.full(4, 2.0), np.full(4, 8.0), [100.0]])[None]
