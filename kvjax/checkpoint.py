@@ -531,8 +531,13 @@ def _names(items: list[str], limit: int = 64) -> str:
   return shown + (f", ... and {more} more" if more > 0 else "")
 
 
-def _ignored(key: str, config: ModelConfig, hf: Mapping[str, Any]) -> bool:
+def _ignored(key: str, shape: tuple[int, ...], config: ModelConfig,
+             hf: Mapping[str, Any]) -> bool:
   if _IGNORED.match(key):
+    return True
+  if (".mlp.shared_experts." in key and 0 in shape and config.moe is not None
+      and not config.moe.num_shared_experts):
+    # transformers builds a zero-width shared MLP when n_shared_experts = 0.
     return True
   if hf["model_type"] == "deepseek_v3":
     # Multi-token-prediction layers (model.layers.{L}...) are a training
@@ -565,7 +570,8 @@ def _validate(config: ModelConfig, hf: Mapping[str, Any], where, path: str,
   optional = {"lm_head.weight"} if config.tie_embeddings else set()
   missing = sorted(k for k in plan if k not in where and k not in optional)
   unexpected = sorted(f"{k} (in {where[k][0]})" for k in where
-                      if k not in plan and not _ignored(k, config, hf))
+                      if k not in plan and
+                      not _ignored(k, where[k][1], config, hf))
   errors = []
   if missing:
     errors.append(f"missing tensors: {_names(missing)}")

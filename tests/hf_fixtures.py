@@ -96,9 +96,10 @@ CASES = (
                              mscale=0.707, mscale_all_dim=0.707,
                              beta_fast=32, beta_slow=1, rope_theta=10000.0)),
          legacy_config=True, max_shard_size="40KB"),
-    # MLA without q_lora, greedy routing, every layer MoE, default RoPE.
+    # MLA without q_lora, greedy routing, no shared expert, every layer
+    # MoE, default RoPE.
     Case("deepseek_v2", _common(
-        **_MLA, q_lora_rank=None, n_shared_experts=1,
+        **_MLA, q_lora_rank=None, n_shared_experts=0,
         first_k_dense_replace=0, topk_method="greedy",
         routed_scaling_factor=1.0)),
     # V3 router: sigmoid + correction bias + group top-k, normalized,

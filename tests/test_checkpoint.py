@@ -265,8 +265,9 @@ class LoaderTest(chex.TestCase):
     self.assertEqual(params["embed"].dtype, jnp.bfloat16)
     # The router decides discrete choices: kept in float32 (as transformers).
     self.assertEqual(params["moe_layers"]["mlp"]["router"].dtype, jnp.float32)
-    config32, params32 = kvjax.load_checkpoint(self.dir,
-                                               param_dtype="float32")
+    config32, params32 = kvjax.load_checkpoint(
+        self.dir, param_dtype="float32", compute_dtype="bfloat16")
+    self.assertEqual(config32.dtype, jnp.bfloat16)  # a separate choice
     self.assertEqual(config32.param_dtype, "float32")
     chex.assert_trees_all_equal(
         jax.tree_util.tree_map(lambda x: np.asarray(x, np.float32), params),
