@@ -128,10 +128,22 @@ def _forward(params, config, tokens, mask):
   return model.forward_logits(params, config, tokens, mask)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "all_logits"),
+def _pin(shardings, logits, cache):
+  """Pins a jitted body's outputs to the sharding plan (None: no-op), so a
+  step's output sharding is the next step's input sharding: one compile."""
+  if shardings is None:
+    return logits, cache
+  axes = ("batch",) + (None,) * (logits.ndim - 2) + ("vocab",)
+  return shardings.constrain(logits, axes), shardings.constrain_cache(cache)
+
+
+@functools.partial(jax.jit,
+                   static_argnames=("config", "all_logits", "shardings"),
                    donate_argnames=("cache",))
-def _prefill(params, config, tokens, mask, cache, all_logits):
-  return model.prefill_logits(params, config, tokens, mask, cache, all_logits)
+def _prefill(params, config, tokens, mask, cache, all_logits,
+             shardings=None):
+  return _pin(shardings, *model.prefill_logits(params, config, tokens, mask,
+                                               cache, all_logits))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "all_logits"),
@@ -140,10 +152,23 @@ def _extend(params, config, tokens, mask, cache, all_logits):
   return model.extend_logits(params, config, tokens, mask, cache, all_logits)
 
 
-@functools.partial(jax.jit, static_argnames=("config",),
+@functools.partial(jax.jit, static_argnames=("config", "shardings"),
                    donate_argnames=("cache",))
-def _decode(params, config, token, cache):
-  return model.decode_logits(params, config, token, cache)
+def _decode(params, config, token, cache, shardings=None):
+  return _pin(shardings, *model.decode_logits(params, config, token, cache))
+
+
+def _place(shardings, config, params, cache, *batch_arrays):
+  """Checks a sharding plan against the call (ValueError naming the mesh
+  axis) and places params, cache and [B, ...] inputs by it (a no-op for
+  inputs already placed)."""
+  shardings.check_config(config)
+  shardings.check_batch(cache.batch)
+  params = shardings.put_params(params)
+  cache = shardings.put_cache(cache)
+  batch_arrays = [shardings.put(a, ("batch",) + (None,) * (a.ndim - 1))
+                  for a in batch_arrays]
+  return params, cache, batch_arrays
 
 
 # ---- public API -------------------------------------------------------------
@@ -163,7 +188,7 @@ def forward(params, config: ModelConfig, tokens, attention_mask=None):
 
 
 def prefill(params, config: ModelConfig, tokens, cache, attention_mask=None,
-            *, all_logits: bool = False):
+            *, all_logits: bool = False, shardings=None):
   """Runs the whole prompt in one parallel pass into a fresh cache.
 
   The cache's previous contents are discarded (positions restart at 0).
@@ -173,6 +198,8 @@ def prefill(params, config: ModelConfig, tokens, cache, attention_mask=None,
     cache: from `init_cache` (donated).
     attention_mask: [B, T] or None.
     all_logits: return logits for every position instead of the last.
+    shardings: a `kvjax.sharding.ShardingPlan`: params, cache and tokens are
+      placed by it and the returned cache keeps its shardings.
   Returns:
     (logits [B, V] at the last position, or [B, T, V]; new_cache)
   """
@@ -183,8 +210,12 @@ def prefill(params, config: ModelConfig, tokens, cache, attention_mask=None,
   lengths = _real_lengths(mask)
   n_max = int(lengths.max()) if lengths is not None else tokens.shape[1]
   _check_fits(cache, n_max, fresh=True, what="prefill")
-  logits, cache = _prefill(params, config, jnp.asarray(tokens, jnp.int32),
-                           mask, cache, all_logits)
+  tokens = jnp.asarray(tokens, jnp.int32)
+  if shardings is not None:
+    params, cache, (tokens, mask) = _place(shardings, config, params, cache,
+                                           tokens, mask)
+  logits, cache = _prefill(params, config, tokens, mask, cache, all_logits,
+                           shardings)
   return (logits if all_logits else logits[:, 0]), cache
 
 
@@ -247,12 +278,14 @@ def prefill_chunked(params, config: ModelConfig, tokens, cache,
   return logits[:, 0], cache
 
 
-def decode_step(params, config: ModelConfig, token, cache):
+def decode_step(params, config: ModelConfig, token, cache, *,
+                shardings=None):
   """Feeds one token per sequence.
 
   Args:
     token: [B] int ids.
     cache: the cache after prefill / earlier steps (donated).
+    shardings: a `kvjax.sharding.ShardingPlan` (see `prefill`).
   Returns:
     (logits [B, V] for the next token, new_cache)
   """
@@ -260,7 +293,10 @@ def decode_step(params, config: ModelConfig, token, cache):
   check_tokens(token, config, ndim=1, name="token")
   _check_cache(cache, config, token.shape[0])
   _check_fits(cache, 1, fresh=False, what="decode_step")
-  return _decode(params, config, jnp.asarray(token, jnp.int32), cache)
+  token = jnp.asarray(token, jnp.int32)
+  if shardings is not None:
+    params, cache, (token,) = _place(shardings, config, params, cache, token)
+  return _decode(params, config, token, cache, shardings)
 
 
 def default_capacity(prompt_len: int, max_new_tokens: int) -> int:
@@ -277,14 +313,15 @@ def bucket_length(n: int, minimum: int = 16) -> int:
 @functools.partial(
     jax.jit,
     static_argnames=("config", "steps", "sampler", "return_logits",
-                     "stop_tokens", "pad_id"),
+                     "stop_tokens", "pad_id", "shardings"),
     donate_argnames=("cache",))
 def _generate(params, config, tokens, mask, cache, rng, steps, sampler,
-              return_logits, stop_tokens, pad_id):
+              return_logits, stop_tokens, pad_id, shardings=None):
   """Prefill, then `steps - 1` decode steps (scan) or a while_loop with stop
   tokens; the last sampled token is never fed back."""
-  logits_B1V, cache = model.prefill_logits(params, config, tokens, mask, cache,
-                                           False)
+  pin = functools.partial(_pin, shardings)
+  logits_B1V, cache = pin(*model.prefill_logits(params, config, tokens, mask,
+                                                cache, False))
   logits_BV = logits_B1V[:, 0]
   keys = jax.random.split(rng, steps)
   B, V = logits_BV.shape
@@ -294,7 +331,7 @@ def _generate(params, config, tokens, mask, cache, rng, steps, sampler,
 
     def body(carry, key):
       tok_B, cache = carry
-      next_BV, cache = model.decode_logits(params, config, tok_B, cache)
+      next_BV, cache = pin(*model.decode_logits(params, config, tok_B, cache))
       nxt_B = sampler(next_BV, key)
       return (nxt_B, cache), (nxt_B, next_BV if return_logits else None)
 
@@ -327,7 +364,7 @@ def _generate(params, config, tokens, mask, cache, rng, steps, sampler,
     # decode is skipped so the cache never needs room for it.
     logits_BV, cache = jax.lax.cond(
         (i + 1 < steps) & ~jnp.all(done_B),
-        lambda c: model.decode_logits(params, config, tok_B, c),
+        lambda c: pin(*model.decode_logits(params, config, tok_B, c)),
         lambda c: (logits_BV, c), cache)
     return i + 1, logits_BV, cache, done_B, out_BS, out_logits
 
@@ -342,7 +379,8 @@ def generate(params, config: ModelConfig, tokens, max_new_tokens: int, *,
              capacity: int | None = None,
              policy: cache_lib.CachePolicy | None = None,
              stop_tokens=(), pad_id: int = 0, return_logits: bool = False,
-             return_cache: bool = False, bucket: bool = True):
+             return_cache: bool = False, bucket: bool = True,
+             shardings=None):
   """Prefill + decode with the KV cache.
 
   Args:
@@ -360,6 +398,9 @@ def generate(params, config: ModelConfig, tokens, max_new_tokens: int, *,
     return_cache: also return the final cache.
     bucket: left-pad the prompt to a power-of-two length (no recompilation
       for a new prompt length).
+    shardings: a `kvjax.sharding.ShardingPlan`: the cache is created in its
+      shards, params and prompt are placed by it, and every step keeps the
+      cache's shardings.
   Returns:
     new ids [B, max_new_tokens]; with return_logits / return_cache a tuple
     (ids, logits [B, max_new_tokens, V] or None, cache or None).
@@ -380,7 +421,11 @@ def generate(params, config: ModelConfig, tokens, max_new_tokens: int, *,
   policy = policy or cache_lib.CachePolicy()
   if capacity is None:
     capacity = default_capacity(tokens.shape[1], max_new_tokens)
-  cache = cache_lib.init_cache(config, B, capacity, policy=policy)
+  if shardings is not None:
+    shardings.check_config(config)
+    cache = shardings.init_cache(B, capacity, policy=policy)
+  else:
+    cache = cache_lib.init_cache(config, B, capacity, policy=policy)
   _check_fits(cache, n_max, fresh=True, what="generate prompt")
   if policy.eviction == "none":
     # The last token is sampled, never written: n + max_new - 1 slots.
@@ -389,9 +434,14 @@ def generate(params, config: ModelConfig, tokens, max_new_tokens: int, *,
   if not sampler.greedy and rng is None:
     raise ValueError("a sampling Sampler needs an explicit rng key")
   rng = jax.random.key(0) if rng is None else rng
+  if shardings is not None:
+    params, cache, (tokens, mask) = _place(shardings, config, params, cache,
+                                           tokens, mask)
+    rng = jax.device_put(rng, shardings.replicated())
   toks, logits, cache = _generate(params, config, tokens, mask, cache, rng,
                                   int(max_new_tokens), sampler, return_logits,
-                                  tuple(int(t) for t in stop_tokens), pad_id)
+                                  tuple(int(t) for t in stop_tokens), pad_id,
+                                  shardings)
   if return_logits or return_cache:
     return toks, logits, (cache if return_cache else None)
   return toks

@@ -37,7 +37,9 @@ class Sampler:
     logits_BV = logits_BV.astype(jnp.float32) / self.temperature
     neg = jnp.finfo(jnp.float32).min
     if self.top_k:
-      kth_B1 = jax.lax.top_k(logits_BV, self.top_k)[0][:, -1:]
+      # k >= V keeps everything (as in transformers), never a trace error.
+      k = min(self.top_k, logits_BV.shape[-1])
+      kth_B1 = jax.lax.top_k(logits_BV, k)[0][:, -1:]
       logits_BV = jnp.where(logits_BV < kth_B1, neg, logits_BV)
     if self.top_p < 1.0:
       sorted_BV = jnp.sort(logits_BV, axis=-1)[:, ::-1]
