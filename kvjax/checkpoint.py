@@ -334,6 +334,13 @@ def _vector(where: tuple, shape: tuple[int, ...]) -> Callable:
   return lambda w: {where: w.reshape(shape)}
 
 
+def _leaf_path(stack: str, layer: int) -> Callable[..., tuple]:
+  """at(*keys, e=None) -> the kvjax leaf path of one layer (and expert)."""
+  def at(*keys: str, e: int | None = None) -> tuple:
+    return (stack, layer, e) + keys
+  return at
+
+
 def _tensor_plan(config: ModelConfig,
                  fused_experts: frozenset[int] = frozenset()
                  ) -> dict[str, _Tensor]:
@@ -358,7 +365,7 @@ def _tensor_plan(config: ModelConfig,
       stack, j = "layers", i
     else:
       stack, j = "moe_layers", i - config.num_dense_layers
-    at = lambda *keys, e=None, s=stack, j=j: (s, j, e) + keys
+    at = _leaf_path(stack, j)
     pre = f"model.layers.{i}."
     plan[pre + "input_layernorm.weight"] = _Tensor(
         (D,), _vector(at("attn_norm"), (D,)))
