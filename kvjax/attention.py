@@ -63,19 +63,23 @@ def attend(q_BTKGH, k_BKSH, v_BKSH, mask_BTS, scale: float,
     mask_BTS: True where the key may be attended. Fully masked rows return a
       finite average (they are padding and never read), never NaN.
     scale: softmax scale.
-    impl: 'einsum' (portable) or 'jax_nn' (jax.nn.dot_product_attention,
-      which dispatches to cuDNN flash attention on GPU).
+    impl: 'einsum' (portable); 'jax_nn' (jax.nn.dot_product_attention with
+      its default implementation, which in jax 0.10 is XLA's on every
+      backend); 'cudnn' (the same call with implementation='cudnn': cuDNN
+      flash attention; GPU only, float16/bfloat16, head dim <= 256 and a
+      multiple of 8, cache slots not sharded).
   Returns:
-    out_BTKGH, probs_BKGTS (float32; None with impl='jax_nn').
+    out_BTKGH, probs_BKGTS (float32; None with impl='jax_nn' / 'cudnn').
   """
   B, T, K, G, H = q_BTKGH.shape
-  if impl == "jax_nn":
+  if impl in ("jax_nn", "cudnn"):
     q_BTNH = q_BTKGH.reshape(B, T, K * G, H)
     k_BSKH = jnp.swapaxes(k_BKSH, 1, 2)
     v_BSKH = jnp.swapaxes(v_BKSH, 1, 2)
     out = jax.nn.dot_product_attention(
         q_BTNH, k_BSKH.astype(q_BTNH.dtype), v_BSKH.astype(q_BTNH.dtype),
-        mask=mask_BTS[:, None], scale=scale)
+        mask=mask_BTS[:, None], scale=scale,
+        implementation="cudnn" if impl == "cudnn" else None)
     return out.reshape(B, T, K, G, H), None
   logits_BKGTS = jnp.einsum("BTKGH,BKSH->BKGTS", q_BTKGH, k_BKSH,
                             preferred_element_type=jnp.float32) * scale

@@ -22,7 +22,7 @@ ATTENTION_KINDS = ("gqa", "mla")
 ROPE_LAYOUTS = ("half", "interleaved")
 ROPE_SCALINGS = ("none", "linear", "dynamic", "llama3", "yarn")
 MLA_DECODE_PATHS = ("absorbed", "naive")
-ATTENTION_IMPLS = ("einsum", "jax_nn")
+ATTENTION_IMPLS = ("einsum", "jax_nn", "cudnn")
 MOE_SCORINGS = ("softmax", "sigmoid")
 MOE_TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 

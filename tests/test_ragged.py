@@ -102,21 +102,14 @@ class RaggedTest(chex.TestCase, parameterized.TestCase):
     chex.assert_trees_all_close(outs[0], outs[1], atol=1e-6)
     chex.assert_trees_all_close(outs[0], outs[2], atol=1e-6)
 
-  @chex.variants(with_jit=True, without_jit=True)
   @parameterized.parameters(*VARIANTS)
   def test_cache_holds_each_sequence_own_length(self, variant):
     config, params = tiny(variant), tiny_params(variant)
     tokens, mask = ragged()
-    S = 16
-    cache = kvjax.init_cache(config, len(LENGTHS), S)
-
-    @self.variant
-    def prefill(params, tokens, mask, cache):
-      from kvjax import model  # pylint: disable=g-import-not-at-top
-      return model.prefill_logits(params, config, tokens, mask.astype(bool),
-                                  cache, False)
-
-    _, cache = prefill(params, jnp.asarray(tokens), jnp.asarray(mask), cache)
+    cache = kvjax.init_cache(config, len(LENGTHS), 32)
+    # all_logits as in the padding test: one compiled prefill for both.
+    _, cache = kvjax.prefill(params, config, tokens, cache,
+                             attention_mask=mask, all_logits=True)
     n = np.asarray(LENGTHS)
     np.testing.assert_array_equal(np.asarray(cache.length), n)
     pos = np.asarray(cache.positions)
@@ -135,26 +128,30 @@ class RaggedTest(chex.TestCase, parameterized.TestCase):
                                                                    :nb]
         self.assertTrue((np.abs(filled).sum(axis=-1) > 0).all())
 
-  def test_ragged_decode_continues_each_sequence(self):
-    # Decode steps after a ragged prefill equal one prefill of each
-    # (unpadded) sequence extended by the same tokens.
-    variant = "gqa"
+  @parameterized.parameters(*VARIANTS)
+  def test_ragged_decode_equals_the_ragged_forward(self, variant):
+    # Decode steps after a ragged prefill equal the no-cache forward of the
+    # same left-padded batch extended by the same tokens (the forward's own
+    # raggedness is checked against single sequences above).
     config, params = tiny(variant), tiny_params(variant)
     tokens, mask = ragged()
     extra = np.random.default_rng(3).integers(1, 256, size=(len(LENGTHS), 3))
     cache = kvjax.init_cache(config, len(LENGTHS), 32)
     _, cache = kvjax.prefill(params, config, tokens, cache,
-                             attention_mask=mask)
+                             attention_mask=mask, all_logits=True)
     steps = []
     for j in range(extra.shape[1]):
       lg, cache = kvjax.decode_step(params, config, jnp.asarray(extra[:, j]),
                                     cache)
       steps.append(lg)
-    steps = jnp.stack(steps, axis=1)
-    for b, n in enumerate(LENGTHS):
-      seq = np.concatenate([tokens[b, T - n:], extra[b]])[None]
-      full = kvjax.forward(params, config, seq)
-      chex.assert_trees_all_close(steps[b], full[0, n:], atol=1e-5)
+    full = kvjax.forward(
+        params, config, np.concatenate([tokens, extra], axis=1).astype(
+            np.int32),
+        attention_mask=np.concatenate([mask, np.ones_like(extra)], axis=1))
+    chex.assert_trees_all_close(jnp.stack(steps, axis=1), full[:, T:],
+                                atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(cache.length),
+                                  np.asarray(LENGTHS) + extra.shape[1])
 
 
 class BucketTest(parameterized.TestCase):
@@ -213,6 +210,26 @@ class AttentionImplTest(parameterized.TestCase):
                         return_logits=True)
     np.testing.assert_array_equal(np.asarray(ga[0]), np.asarray(gb[0]))
     chex.assert_trees_all_close(ga[1], gb[1], atol=1e-5)
+
+  def test_cudnn_impl_on_gpu_and_a_clear_error_elsewhere(self):
+    # 'cudnn' asks jax.nn.dot_product_attention for cuDNN flash attention
+    # (half precision only). On a GPU it must agree with the einsum in the
+    # same dtype; elsewhere it must fail loudly at trace time, not fall back.
+    base = dataclasses.replace(tiny("gqa"), compute_dtype="bfloat16")
+    cudnn = dataclasses.replace(base, attention_impl="cudnn")
+    params = tiny_params("gqa")
+    tokens, mask = ragged()
+    if jax.default_backend() != "gpu":
+      with self.assertRaisesRegex(RuntimeError, "cuDNN"):
+        kvjax.forward(params, cudnn, tokens, attention_mask=mask)
+      return
+    real = mask.astype(bool)
+    a = np.asarray(kvjax.forward(params, base, tokens, attention_mask=mask))
+    b = np.asarray(kvjax.forward(params, cudnn, tokens,
+                                 attention_mask=mask))
+    self.assertTrue(np.isfinite(b).all())
+    err = np.linalg.norm(a[real] - b[real]) / np.linalg.norm(a[real])
+    self.assertLess(err, 2e-2)  # bfloat16 rounding, not a different result
 
 
 if __name__ == "__main__":
