@@ -92,7 +92,7 @@ if want sharding; then
   # CPU-only (simulated devices): runs beside the accelerator tests.
   log "sharding (background, host CPU)"
   ( env -u XLA_PYTHON_CLIENT_PREALLOCATE JAX_PLATFORMS=cpu \
-      timeout 240 "$PYTHON" -m pytest -q -x tests/test_sharding.py \
+      timeout 280 "$PYTHON" -m pytest -q -x tests/test_sharding.py \
       > "$WORKDIR/sharding.log" 2>&1 ) &
   SHARD_PID=$!
 fi

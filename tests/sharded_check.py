@@ -47,6 +47,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "configs"))
 import kvjax
 from kvjax import inference
+from kvjax import model as kvjax_model
 from kvjax import sharding
 import model as model_presets  # configs/model.py
 
@@ -135,11 +136,13 @@ def expected_shard_shape(config, mesh, kv_fallback, name, shape):
 
 
 def check_case(config, params, mesh_shape, ref, prompt, kv_fallback="seq",
-               sampler=kvjax.GREEDY, stop_tokens=()):
+               sampler=kvjax.GREEDY, stop_tokens=(), layout="stacked"):
   """One (mesh, variant) case; returns a JSON-able dict."""
   tokens, mask = prompt
   mesh = sharding.make_mesh(mesh_shape)
   p = sharding.plan(config, mesh, kv_fallback=kv_fallback)
+  if layout == "unstacked":
+    params = kvjax_model.unstack_layers(params)
   sp = p.put_params(params)
   t0 = time.perf_counter()
   toks, logits, cache = kvjax.generate(
@@ -148,7 +151,8 @@ def check_case(config, params, mesh_shape, ref, prompt, kv_fallback="seq",
       return_logits=True, return_cache=True, shardings=p)
   ref_toks, ref_logits = ref
   out = dict(mesh=list(mesh_shape), variant=config.variant,
-             kv_fallback=kv_fallback, table=sharding.describe(p),
+             kv_fallback=kv_fallback, layout=layout,
+             table=sharding.describe(p),
              sampler=str(sampler), stop_tokens=list(stop_tokens))
   out["tokens_equal"] = bool((np.asarray(toks) == np.asarray(ref_toks)).all())
   out["max_logit_err"] = float(jnp.max(jnp.abs(logits - ref_logits)))
@@ -208,6 +212,28 @@ def check_case(config, params, mesh_shape, ref, prompt, kv_fallback="seq",
   return out
 
 
+def check_init_params(config, mesh_shape):
+  """`ShardingPlan.init_params` (created in its shards) equals the
+  single-device init, and every leaf is sharded as the table says."""
+  p = sharding.plan(config, sharding.make_mesh(mesh_shape))
+  key = jax.random.key(0)
+  sharded = p.init_params(key)
+  single = jax.jit(kvjax.init_params, static_argnums=0)(config, key)
+  want = p.param_shardings(sharded)
+  bad = [jax.tree_util.keystr(path) for path, leaf, w in zip(
+      *zip(*jax.tree_util.tree_flatten_with_path(sharded)[0]),
+      jax.tree_util.tree_leaves(want)) if not leaf.sharding.is_equivalent_to(
+          w, leaf.ndim)]
+  err = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(
+      jax.tree_util.tree_leaves(sharded), jax.tree_util.tree_leaves(single)))
+  heads_split = {tuple(len(range(*sl.indices(n))) for sl, n in
+                       zip(sh.index, sharded["layers"]["attn"]["q"].shape))
+                 for sh in sharded["layers"]["attn"]["q"].addressable_shards}
+  return dict(check="init_params", variant=config.variant,
+              mesh=list(mesh_shape), max_abs_diff=err,
+              sharding_errors=bad, q_shard_shapes=sorted(heads_split))
+
+
 def run_check():
   prompt = ragged_prompt()
   meshes = [parse_mesh(m) for m in _MESHES.value]
@@ -231,6 +257,11 @@ def run_check():
       print(json.dumps(check_case(config, params, (1, 8), (toks, logits),
                                   prompt, kv_fallback="replicate")),
             flush=True)
+    if variant == "mha":
+      # Per-layer weights (model.unstack_layers) shard by the same table.
+      print(json.dumps(check_case(config, params, (2, 4), (toks, logits),
+                                  prompt, layout="unstacked")), flush=True)
+      print(json.dumps(check_init_params(config, (2, 4))), flush=True)
     if variant == "gqa":
       # Sampling (threefry is partitionable: same key, same draws on any
       # mesh) and the stop-token while_loop, against the same on one device.

@@ -57,8 +57,11 @@ def subprocess_results():
   for line in proc.stdout.splitlines():
     if line.startswith("{"):
       row = json.loads(line)
+      if row.get("check") == "init_params":
+        rows[("init_params", row["variant"], mesh_name(row["mesh"]))] = row
+        continue
       key = (row["variant"], mesh_name(row["mesh"]), row["kv_fallback"],
-             bool(row["stop_tokens"]))
+             bool(row["stop_tokens"]), row["layout"])
       rows[key] = row
   return rows
 
@@ -80,9 +83,10 @@ def abstract(shape, names=None):
 class EightDeviceTest(parameterized.TestCase):
   """Reads the subprocess's results; one test per (variant, mesh)."""
 
-  def _row(self, variant, mesh, fallback="seq", stops=False):
+  def _row(self, variant, mesh, fallback="seq", stops=False,
+           layout="stacked"):
     rows = subprocess_results()
-    key = (variant, mesh, fallback, stops)
+    key = (variant, mesh, fallback, stops, layout)
     self.assertIn(key, rows, f"no result for {key}; got {sorted(rows)}")
     row = rows[key]
     # The name is the config's own (`ModelConfig.variant`), not a label.
@@ -125,6 +129,21 @@ class EightDeviceTest(parameterized.TestCase):
     # The cost of this fallback: every device holds the whole cache.
     self.assertEqual(row["cache_bytes"]["per_device"],
                      row["cache_bytes"]["total"])
+
+  def test_unstacked_layers_shard_the_same(self):
+    row = self._row("mha", "2x4", layout="unstacked")
+    self._check(row)
+
+  def test_init_params_in_shards_equals_single_device(self):
+    rows = subprocess_results()
+    row = rows[("init_params", "mha", "2x4")]
+    self.assertEqual(row["sharding_errors"], [])
+    self.assertEqual(row["max_abs_diff"], 0.0)
+    # q [L, D, N, H]: N = 8 heads over model = 4, replicated over data.
+    config = tp_config("mha")
+    self.assertEqual(row["q_shard_shapes"],
+                     [[config.num_layers, config.embed_dim,
+                       config.num_heads // 4, config.head_dim]])
 
   def test_sampling_and_stop_tokens_under_a_mesh(self):
     row = self._row("gqa", "2x4", stops=True)
