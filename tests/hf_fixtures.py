@@ -90,7 +90,9 @@ CASES = (
     Case("deepseek_v2", _common(
         **_MLA, num_hidden_layers=3, q_lora_rank=12, n_shared_experts=2,
         first_k_dense_replace=1, topk_method="group_limited_greedy",
-        n_group=4, topk_group=2, routed_scaling_factor=2.0,
+        # One group of 4 out of 2 for k=2: unlike plain greedy (with
+        # topk_group >= k, max-scored groups always hold the global top-k).
+        n_group=2, topk_group=1, routed_scaling_factor=2.0,
         rope_parameters=dict(rope_type="yarn", factor=4.0,
                              original_max_position_embeddings=16,
                              mscale=0.707, mscale_all_dim=0.707,
