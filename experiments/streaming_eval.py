@@ -17,14 +17,11 @@ perplexity.png, table.md.
 
 import json
 import os
-import time
 
 from absl import app
 from absl import flags
 from absl import logging
 import jax
-import numpy as np
-
 from ml_collections import config_flags
 
 import kvjax
@@ -59,7 +56,9 @@ _POLICIES = flags.DEFINE_list(
 _H2O_RECENT = flags.DEFINE_integer("h2o_recent", 0,
                                    "H2O recent window (0: capacity // 2).")
 _RECOMPUTE_STRIDE = flags.DEFINE_integer(
-    "recompute_stride", 1, "Recompute scores every k-th token only.")
+    "recompute_stride", 4,
+    "Recompute scores every k-th token only (1: every token; its cost is "
+    "W forward tokens per scored token).")
 _CHUNK = flags.DEFINE_integer("chunk", 512, "Tokens per compiled chunk.")
 _MICRO_BATCH = flags.DEFINE_integer("micro_batch", 8,
                                     "Recompute windows per vectorised step.")
@@ -68,19 +67,25 @@ _TIME_POLICIES = flags.DEFINE_list(
     "time_policies", "sinks4,sinks4:original,window,recompute",
     "Rows timed per token at batch 1 (empty: no timing).")
 _TIME_STEPS = flags.DEFINE_integer("time_steps", 32, "Tokens per timing.")
+_TIME_CAPACITIES = flags.DEFINE_list(
+    "time_capacities", [], "Cache sizes to time at (default: --capacity).")
 _TIME_ROUNDS = flags.DEFINE_integer("time_rounds", 7,
                                     "Interleaved timing rounds (median).")
 _FLAGS = (_CHECKPOINT, _STEP, _NOVEL, _OFFSET, _STREAM_LEN, _CAPACITY,
           _POLICIES, _H2O_RECENT, _RECOMPUTE_STRIDE, _CHUNK, _MICRO_BATCH,
-          _BIN, _TIME_POLICIES, _TIME_STEPS, _TIME_ROUNDS)
+          _BIN, _TIME_POLICIES, _TIME_CAPACITIES, _TIME_STEPS,
+          _TIME_ROUNDS)
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   os.makedirs(_WORKDIR.value, exist_ok=True)
+  step = None
   if _CHECKPOINT.value:
     config, params = train.restore_params(_CHECKPOINT.value, _STEP.value)
+    step = _STEP.value or train.checkpoint_manager(
+        _CHECKPOINT.value).latest_step()
     with open(os.path.join(_CHECKPOINT.value, train.CONFIG_FILE)) as f:
       train_len = int(json.load(f).get("train", {}).get("seq_len", 0))
   else:
@@ -100,41 +105,30 @@ def main(argv):
   rows = {name: streaming.parse_policy(name, cap, n, _H2O_RECENT.value)
           for name in _POLICIES.value}
 
-  nll, seconds = {}, {}
-  for name, row in rows.items():
-    t0 = time.perf_counter()
-    nll[name] = streaming.evaluate(
-        params, config, tokens, row, chunk=_CHUNK.value,
-        micro_batch=_MICRO_BATCH.value,
-        recompute_stride=_RECOMPUTE_STRIDE.value, log_every=2048)
-    seconds[name] = time.perf_counter() - t0
-    logging.info("%s: ppl %.3f (%.0f s)", name, streaming.perplexity(
-        nll[name], ~np.isnan(nll[name])), seconds[name])
+  nll, seconds = streaming.evaluate_rows(
+      params, config, tokens, rows, chunk=_CHUNK.value,
+      micro_batch=_MICRO_BATCH.value,
+      recompute_stride=_RECOMPUTE_STRIDE.value, log_every=2048)
   table = streaming.summarize(nll, rows, cap)
   for r in table:
     r["eval_seconds"] = seconds[r["name"]]
   md = streaming.markdown_table(table)
   print(md)
 
-  timed = {name: streaming.parse_policy(name, cap, n, _H2O_RECENT.value)
-           for name in _TIME_POLICIES.value}
-  per_token = streaming.time_rows(params, config, timed, tokens,
-                                  steps=_TIME_STEPS.value,
-                                  rounds=_TIME_ROUNDS.value) if timed else {}
-  timing = [dict(name=k, slots=cap, ms_per_token=1e3 * v)
-            for k, v in per_token.items()]
+  timing = streaming.timing_table(
+      params, config, tokens, _TIME_POLICIES.value,
+      [int(c) for c in _TIME_CAPACITIES.value] or [cap],
+      h2o_recent=_H2O_RECENT.value, steps=_TIME_STEPS.value,
+      rounds=_TIME_ROUNDS.value)
   for t in timing:
-    if "recompute" in per_token:
-      t["recompute_over_this"] = per_token["recompute"] / (
-          t["ms_per_token"] / 1e3)
-    print(f"{t['name']}: {t['ms_per_token']:.3f} ms/token" +
+    print(f"S={t['slots']} {t['name']}: {t['ms_per_token']:.3f} ms/token" +
           (f" (recompute / this = {t['recompute_over_this']:.1f}x)"
            if "recompute_over_this" in t else ""))
 
   curves = {name: streaming.perplexity_by_position(v, _BIN.value)
             for name, v in nll.items()}
   title = (f"{config.variant} byte model "
-           f"({_CHECKPOINT.value or 'random weights'}), "
+           f"({_CHECKPOINT.value or 'random weights'}, step {step}), "
            f"{_NOVEL.value}[{_OFFSET.value}:+{n}], S={cap}")
   streaming.plot_perplexity(curves, os.path.join(_WORKDIR.value,
                                                  "perplexity.png"),
@@ -144,7 +138,7 @@ def main(argv):
   results = dict(
       flags={h.name: h.value for h in _FLAGS},
       model=dict(variant=config.variant, checkpoint=_CHECKPOINT.value,
-                 step=_STEP.value, train_seq_len=train_len,
+                 step=step, train_seq_len=train_len,
                  config=config.to_dict()),
       stream=dict(novel=_NOVEL.value, offset=_OFFSET.value, tokens=n),
       table=table, timing=timing,

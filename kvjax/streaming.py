@@ -30,7 +30,6 @@ import dataclasses
 import functools
 import re
 import time
-from typing import Callable
 
 from absl import logging
 import jax
@@ -82,7 +81,9 @@ def _decode_scan(params, config, tokens_BT, targets_BT, cache, want_logits):
 
 
 def _check_stream(params, config, tokens_BN, cache, what):
-  del params
+  """Host-side validation before any compute (ValueError naming the
+  problem), as the public API does."""
+  model.check_params(params, config)
   inference.check_tokens(tokens_BN, config, name=what)
   inference._check_cache(cache, config, tokens_BN.shape[0])  # pylint: disable=protected-access
 
@@ -118,8 +119,8 @@ def stream_nll(params, config: ModelConfig, tokens, cache, *,
 
   Args:
     tokens: [N] or [B, N] int ids (N >= 2).
-    cache: a fresh cache (donated) of any policy and capacity S; N may be
-      far larger than S when the policy evicts.
+    cache: a cache (donated; fresh, or holding a prefix to continue) of any
+      policy and capacity S; N may be far larger than S when it evicts.
     chunk: tokens per compiled scan (a last, shorter chunk compiles once
       more).
     log_every: log progress every this many tokens (0: never).
@@ -254,6 +255,7 @@ def recompute_nll(params, config: ModelConfig, tokens, window: int, *,
   if tokens_BN.shape[1] < 2:
     raise ValueError(f"tokens: a stream needs N >= 2 tokens, got "
                      f"{tokens_BN.shape[1]}")
+  model.check_params(params, config)
   inference.check_tokens(tokens_BN, config)
   n = tokens_BN.shape[1] - 1
   scored = np.arange(stride - 1, n, stride, dtype=np.int32)
@@ -463,14 +465,17 @@ def plot_perplexity(curves: dict, path, *, capacity: int, train_len: int = 0,
   fig, ax = plt.subplots(figsize=(8, 4.5))
   for name, (x, y) in curves.items():
     ax.plot(x, y, label=name, lw=1.3)
-  ax.axvline(capacity, color="grey", ls=":", lw=1)
-  ax.text(capacity, ax.get_ylim()[1], f" S={capacity}", va="top",
-          fontsize=8, color="grey")
-  if train_len:
-    ax.axvline(train_len, color="black", ls="--", lw=0.8)
-    ax.text(train_len, ax.get_ylim()[0], f" train context {train_len}",
-            va="bottom", fontsize=8)
   ax.set_yscale("log")
+  marks = {capacity: f"S={capacity}"}
+  if train_len:
+    marks[train_len] = (f"S = train context = {train_len}"
+                        if train_len == capacity else
+                        f"train context {train_len}")
+  for x, text in marks.items():
+    ax.axvline(x, color="grey", ls=":", lw=1)
+    # x in data units, y in axes fraction (robust to the log scale).
+    ax.text(x, 0.98, f" {text}", transform=ax.get_xaxis_transform(),
+            va="top", fontsize=8, color="grey")
   ax.set_xlabel("position in the stream (tokens)")
   ax.set_ylabel("perplexity (per byte-token), binned")
   ax.set_title(title, fontsize=10)
@@ -593,6 +598,47 @@ def memory_trace(params, config: ModelConfig, tokens, cache, *,
   return trace, cache
 
 
+def evaluate_rows(params, config: ModelConfig, tokens, rows: dict, *,
+                  chunk: int = 512, micro_batch: int = 8,
+                  recompute_stride: int = 1, log_every: int = 0):
+  """`evaluate` for every row. Returns (name -> nll [B, N-1], name ->
+  seconds it took)."""
+  nll, seconds = {}, {}
+  for name, row in rows.items():
+    t0 = time.perf_counter()
+    nll[name] = evaluate(params, config, tokens, row, chunk=chunk,
+                         micro_batch=micro_batch,
+                         recompute_stride=recompute_stride,
+                         log_every=log_every)
+    seconds[name] = time.perf_counter() - t0
+    logging.info("%s: ppl %.3f (%.0f s)", name,
+                 perplexity(nll[name], ~np.isnan(nll[name])), seconds[name])
+  return nll, seconds
+
+
+def timing_table(params, config: ModelConfig, tokens, names, capacities, *,
+                 h2o_recent: int = 0, steps: int = 32,
+                 rounds: int = 7) -> list[dict]:
+  """Per-token decode time at batch 1 of named rows at several capacities.
+
+  Returns:
+    dicts name, slots, ms_per_token, and recompute_over_this (the speed-up
+    over recompute at the same capacity) when 'recompute' is among names.
+  """
+  table = []
+  for slots in capacities:
+    rows = {name: parse_policy(name, slots, len(tokens), h2o_recent)
+            for name in names}
+    per_token = time_rows(params, config, rows, tokens, steps=steps,
+                          rounds=rounds)
+    for name, sec in per_token.items():
+      t = dict(name=name, slots=slots, ms_per_token=1e3 * sec)
+      if RECOMPUTE in per_token:
+        t["recompute_over_this"] = per_token[RECOMPUTE] / sec
+      table.append(t)
+  return table
+
+
 def plot_memory(traces: dict, path, *, capacity: int, title: str = ""):
   """Cache bytes against tokens seen (PNG).
 
@@ -616,8 +662,9 @@ def plot_memory(traces: dict, path, *, capacity: int, title: str = ""):
     if t["bounded"]:
       ax.axhline(t["trace"][-1]["kv"] / 2**20, color=c, ls=":", lw=0.8)
   ax.axvline(capacity, color="grey", ls=":", lw=1)
-  ax.text(capacity, ax.get_ylim()[1], f" eviction starts (S={capacity})",
-          va="top", fontsize=8, color="grey")
+  ax.text(capacity, 0.98, f" eviction starts (S={capacity})",
+          transform=ax.get_xaxis_transform(), va="top", fontsize=8,
+          color="grey")
   ax.set_xlabel("tokens seen (per sequence)")
   ax.set_ylabel("cache bytes holding tokens (MiB)")
   ax.set_title(title, fontsize=10)

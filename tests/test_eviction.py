@@ -31,7 +31,6 @@ import kvjax
 from kvjax import cache as cache_lib
 from kvjax import configs as configs_lib
 from kvjax import eviction
-from kvjax import inference
 from kvjax import model as kvmodel
 from kvjax import streaming
 from kvjax.attention import Step
