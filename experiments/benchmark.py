@@ -46,6 +46,7 @@ import kvjax  # pylint: disable=g-import-not-at-top
 from kvjax import benchmarking as bm  # pylint: disable=g-import-not-at-top
 from kvjax import configs as cfg_lib  # pylint: disable=g-import-not-at-top
 from kvjax import inference  # pylint: disable=g-import-not-at-top
+from kvjax import model  # pylint: disable=g-import-not-at-top
 import model as model_presets  # pylint: disable=g-import-not-at-top
 
 MODES = ("memory", "positions", "variants", "roofline", "quant", "sweep")
@@ -87,6 +88,11 @@ _SWEEP_CONTEXTS = flags.DEFINE_list(
     "Context lengths of the sweep.")
 _SWEEP_BATCHES = flags.DEFINE_list("sweep_batches", ["1", "8"],
                                    "Batches of the sweep.")
+_LAYERS = flags.DEFINE_enum(
+    "layers", "unrolled", ["scan", "unrolled"],
+    "Layer loop: 'scan' (stacked weights; compile time independent of "
+    "depth) or 'unrolled' (kvjax.model.unstack_layers: weights read in place,"
+    " faster on CPU; compile time grows with depth).")
 _SWEEP_DTYPES = flags.DEFINE_list("sweep_dtypes", list(KV_DTYPES),
                                   "kv dtypes of the sweep.")
 
@@ -104,8 +110,11 @@ def _variant_config(variant: str, **overrides) -> kvjax.ModelConfig:
       dict(model_presets.model_dict(variant, _size()), **overrides))
 
 
-def _params(config):
-  return jax.block_until_ready(kvjax.init_params(config, jax.random.key(0)))
+def _params(config, layers=None):
+  params = kvjax.init_params(config, jax.random.key(0))
+  if (layers or _LAYERS.value) == "unrolled":
+    params = model.unstack_layers(params)
+  return jax.block_until_ready(params)
 
 
 def _prompt(config, batch, length):
@@ -116,6 +125,7 @@ def _prompt(config, batch, length):
 def _save(name: str, result, fig=None):
   os.makedirs(_WORKDIR.value, exist_ok=True)
   path = os.path.join(_WORKDIR.value, f"{name}.json")
+  result = dict(result, layers=_LAYERS.value)
   with open(path, "w") as f:
     json.dump(result, f, indent=1, default=float)
   logging.info("wrote %s", path)
@@ -266,7 +276,7 @@ def probe_machine():
   return limits
 
 
-def compile_times(config, batch, length):
+def compile_times(config, batch, length, layers):
   """Prefill and decode compile seconds at depth L and 2L (no allocation:
   the programs are lowered from shapes)."""
   out = {}
@@ -274,6 +284,8 @@ def compile_times(config, batch, length):
     c = config.replace(num_layers=depth)
     params = jax.eval_shape(lambda c=c: kvjax.init_params(c,
                                                           jax.random.key(0)))
+    if layers == "unrolled":
+      params = jax.eval_shape(model.unstack_layers, params)
     cache = jax.eval_shape(lambda c=c: kvjax.init_cache(c, batch, 2 * length))
     tok = jax.ShapeDtypeStruct((batch, length), jnp.int32)
     mask = jax.ShapeDtypeStruct((batch, length), jnp.bool_)
@@ -293,7 +305,7 @@ def run_roofline():
   peak = limits["matmul_f32"]["flops_per_s"]
   T, PB = _PROMPT.value, _PREFILL_BATCH.value
   out = dict(size=_size(), limits=limits, machine=bm.machine_info(),
-             variants={})
+             layers=_LAYERS.value, variants={})
   for label, config in _variant_rows():
     params = _params(config)
     dec = bm.decode_step_seconds(params, config, 1, T, steps=_STEPS.value,
@@ -310,19 +322,21 @@ def run_roofline():
                prefill=pre, prefill_flops=flops,
                prefill_flops_per_s=achieved_flops,
                prefill_fraction_of_peak=achieved_flops / peak,
-               compile=compile_times(config, 1, T))
+               compile={lay: compile_times(config, 1, T, lay)
+                        for lay in ("scan", "unrolled")})
     out["variants"][label] = row
     logging.info(
         "%-13s decode b1@%d: %.2f ms, %.1f MB/step -> %.1f GB/s = %.0f%% of "
         "read, %.0f%% of matvec | prefill %dx%d: %.1f ms, %.1f GFLOP -> %.0f "
-        "GFLOP/s = %.0f%% of peak | compile prefill/decode L=%d: %.1f/%.1f s,"
-        " 2L: %.1f/%.1f s", label, T, 1e3 * dec["step_s"], need["total"] / 1e6,
+        "GFLOP/s = %.0f%% of peak | compile prefill/decode, scan L=%d: "
+        "%.1f/%.1f s, 2L: %.1f/%.1f s; unrolled L: %.1f/%.1f s, 2L: "
+        "%.1f/%.1f s", label, T, 1e3 * dec["step_s"], need["total"] / 1e6,
         achieved_bw / 1e9, 100 * row["decode_fraction_of_read"],
         100 * row["decode_fraction_of_matvec"], PB, T, 1e3 * pre["prefill_s"],
         flops["total"] / 1e9, achieved_flops / 1e9,
         100 * row["prefill_fraction_of_peak"], config.num_layers,
-        *[row["compile"][d][k]["total_s"]
-          for d in sorted(row["compile"]) for k in ("prefill", "decode")])
+        *[row["compile"][lay][d][k]["total_s"] for lay in ("scan", "unrolled")
+          for d in sorted(row["compile"][lay]) for k in ("prefill", "decode")])
     del params
   _save("roofline", out)
 

@@ -36,6 +36,7 @@ import kvjax  # pylint: disable=g-import-not-at-top
 from kvjax import benchmarking as bm  # pylint: disable=g-import-not-at-top
 from kvjax import configs as cfg_lib  # pylint: disable=g-import-not-at-top
 from kvjax import inference  # pylint: disable=g-import-not-at-top
+from kvjax import model  # pylint: disable=g-import-not-at-top
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", os.path.join(os.path.dirname(__file__), "..", "configs",
@@ -104,7 +105,9 @@ def main(argv):
   with tempfile.TemporaryDirectory() as tmp:
     hf_model.save_pretrained(tmp, safe_serialization=True)
     kv_config, params = kvjax.load_checkpoint(tmp)
-  params = jax.block_until_ready(params)
+  # Both layer layouts (see kvjax.model.unstack_layers), timed side by side.
+  layouts = dict(scan=jax.block_until_ready(params),
+                 unrolled=jax.block_until_ready(model.unstack_layers(params)))
   logging.info("preset %s: %.1fM params; torch %s (%d threads, "
                "OMP_WAIT_POLICY=%s), transformers %s, attn %s",
                _CONFIG.value.preset, kvjax.param_count(kv_config) / 1e6,
@@ -130,10 +133,12 @@ def main(argv):
   logit_err = float(np.abs(hf_logits - kv_logits).max())
   n_check = _CHECK_TOKENS.value
   hf_ids = hf_generate(torch.from_numpy(prompt), n_check).numpy()
-  kv_ids = np.asarray(kvjax.generate(params, kv_config, prompt, n_check))
-  agree = int(np.cumprod(hf_ids[0] == kv_ids[0]).sum())
-  logging.info("prefill logits max |diff| %.2e; greedy tokens agree for %d "
-               "of %d", logit_err, agree, n_check)
+  agree = {}
+  for lay, p in layouts.items():
+    kv_ids = np.asarray(kvjax.generate(p, kv_config, prompt, n_check))
+    agree[lay] = int(np.cumprod(hf_ids[0] == kv_ids[0]).sum())
+  logging.info("prefill logits max |diff| %.2e; greedy tokens agree for "
+               "%s of %d", logit_err, agree, n_check)
   if logit_err > 1e-3:
     raise ValueError(f"kvjax and transformers disagree on the same weights: "
                      f"max logit difference {logit_err:.3g}")
@@ -151,31 +156,35 @@ def main(argv):
     ids = rng.integers(0, config.vocab_size, (B, T))
     ids_t = torch.from_numpy(ids)
     ids_j = jax.numpy.asarray(ids, jax.numpy.int32)
-    fns = dict(
-        kvjax_generate=lambda: kvjax.generate(params, kv_config, ids_j, N),
-        # The same cache size as the generate call: only the steps differ.
-        kvjax_prefill=lambda: kvjax.generate(
-            params, kv_config, ids_j, 1,
-            capacity=inference.default_capacity(
-                inference.bucket_length(T), N)),
-        hf_generate=lambda: (hf_generate(ids_t, N), None)[1],
-        hf_prefill=lambda: (hf_generate(ids_t, 1), None)[1])
+    # The same cache size for generate and prefill: only the steps differ.
+    cap = inference.default_capacity(inference.bucket_length(T), N)
+    fns = {}
+    for lay, p in layouts.items():
+      fns[f"kvjax_{lay}_generate"] = (
+          lambda p=p: kvjax.generate(p, kv_config, ids_j, N, capacity=cap))
+      fns[f"kvjax_{lay}_prefill"] = (
+          lambda p=p: kvjax.generate(p, kv_config, ids_j, 1, capacity=cap))
+    fns["hf_generate"] = lambda: (hf_generate(ids_t, N), None)[1]
+    fns["hf_prefill"] = lambda: (hf_generate(ids_t, 1), None)[1]
     t = bm.time_alternating(fns, warmup=1, repeats=_REPEATS.value)
     row = {name: timing.to_dict() for name, timing in t.items()}
-    for who in ("kvjax", "hf"):
+    for who in [f"kvjax_{lay}" for lay in layouts] + ["hf"]:
       decode_s = t[f"{who}_generate"].median - t[f"{who}_prefill"].median
       row[f"{who}_decode_tokens_per_s"] = B * (N - 1) / decode_s
       row[f"{who}_prefill_s"] = t[f"{who}_prefill"].median
-    row["decode_ratio"] = (row["kvjax_decode_tokens_per_s"] /
-                           row["hf_decode_tokens_per_s"])
-    row["prefill_ratio"] = row["hf_prefill_s"] / row["kvjax_prefill_s"]
+    for lay in layouts:
+      row[f"decode_ratio_{lay}"] = (row[f"kvjax_{lay}_decode_tokens_per_s"] /
+                                    row["hf_decode_tokens_per_s"])
+      row[f"prefill_ratio_{lay}"] = (row["hf_prefill_s"] /
+                                     row[f"kvjax_{lay}_prefill_s"])
+      logging.info(
+          "batch %d, kvjax %s: decode kvjax %.1f tok/s, transformers %.1f "
+          "tok/s -> %.2fx | prefill %dx%d kvjax %.1f ms, transformers %.1f ms"
+          " -> %.2fx", B, lay, row[f"kvjax_{lay}_decode_tokens_per_s"],
+          row["hf_decode_tokens_per_s"], row[f"decode_ratio_{lay}"], B, T,
+          1e3 * row[f"kvjax_{lay}_prefill_s"], 1e3 * row["hf_prefill_s"],
+          row[f"prefill_ratio_{lay}"])
     results["batches"][B] = row
-    logging.info(
-        "batch %d: decode kvjax %.1f tok/s, transformers %.1f tok/s -> %.2fx |"
-        " prefill %dx%d kvjax %.1f ms, transformers %.1f ms -> %.2fx", B,
-        row["kvjax_decode_tokens_per_s"], row["hf_decode_tokens_per_s"],
-        row["decode_ratio"], B, T, 1e3 * row["kvjax_prefill_s"],
-        1e3 * row["hf_prefill_s"], row["prefill_ratio"])
 
   os.makedirs(_WORKDIR.value, exist_ok=True)
   with open(os.path.join(_WORKDIR.value, "peer.json"), "w") as f:
@@ -183,18 +192,18 @@ def main(argv):
   fig, ax = plt.subplots(figsize=(5, 3.5))
   bs = list(results["batches"])
   x = np.arange(len(bs))
-  for i, who in enumerate(("kvjax", "hf")):
-    ax.bar(x + 0.4 * i, [results["batches"][b][f"{who}_decode_tokens_per_s"]
-                         for b in bs], 0.4,
-           label="kvjax" if who == "kvjax" else "transformers")
-  ax.set(xticks=x + 0.2, xticklabels=[f"batch {b}" for b in bs],
+  whos = [f"kvjax_{lay}" for lay in layouts] + ["hf"]
+  for i, who in enumerate(whos):
+    ax.bar(x + 0.27 * i, [results["batches"][b][f"{who}_decode_tokens_per_s"]
+                          for b in bs], 0.27,
+           label=who.replace("_", " ") if who != "hf" else "transformers")
+  ax.set(xticks=x + 0.27, xticklabels=[f"batch {b}" for b in bs],
          ylabel="decode tokens/s",
          title=f"{_CONFIG.value.preset}: same weights, same run")
   ax.legend()
   fig.tight_layout()
   fig.savefig(os.path.join(_WORKDIR.value, "peer.png"), dpi=120)
-  print(json.dumps({b: dict(decode_ratio=r["decode_ratio"],
-                            prefill_ratio=r["prefill_ratio"])
+  print(json.dumps({b: {k: v for k, v in r.items() if "ratio" in k}
                     for b, r in results["batches"].items()}))
 
 

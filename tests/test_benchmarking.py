@@ -9,12 +9,14 @@ import time
 
 from absl.testing import absltest
 from absl.testing import parameterized
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import kvjax
 from kvjax import benchmarking as bm
+from kvjax import model
 import model as model_presets  # configs/model.py (see conftest.py)
 
 VARIANTS = model_presets.VARIANTS
@@ -159,6 +161,67 @@ class ModelsTest(parameterized.TestCase):
       bm.prefill_flops(config, 0, 4)
     with self.assertRaisesRegex(ValueError, "batch and context"):
       bm.decode_bytes_per_step({"embed": jnp.zeros((2, 2))}, config, 1, 0)
+
+
+class FilledCacheTest(parameterized.TestCase):
+
+  @parameterized.product(variant=("gqa", "mla"), kv_dtype=("float32", "int8"))
+  def test_filled_cache_holds_length_tokens(self, variant, kv_dtype):
+    config = tiny(variant)
+    policy = kvjax.CachePolicy(kv_dtype=kv_dtype)
+    cache = bm.filled_cache(config, 2, 12, 5, policy)
+    ref = kvjax.init_cache(config, 2, 12, policy=policy)
+    chex.assert_trees_all_equal_shapes_and_dtypes(cache, ref)
+    np.testing.assert_array_equal(cache.length, [5, 5])
+    np.testing.assert_array_equal(cache.positions[1],
+                                  list(range(5)) + [-1] * 7)
+    payload = cache.c_kv if config.attention == "mla" else cache.k
+    self.assertGreater(float(jnp.max(jnp.abs(payload.astype(jnp.float32)))),
+                       0)
+    if kv_dtype == "int8":
+      scale = cache.c_scale if config.attention == "mla" else cache.k_scale
+      self.assertTrue(bool(jnp.all(scale > 0)))
+
+  def test_filled_cache_bad_length(self):
+    with self.assertRaisesRegex(ValueError, "length"):
+      bm.filled_cache(tiny("gqa"), 1, 8, 9)
+
+
+# The first variant of each attention kind: one KVCache, one LatentCache.
+KINDS = tuple({model_presets.model_dict(v, "tiny")["attention"]: v
+               for v in reversed(VARIANTS)}.values())
+
+
+class LayerLayoutTest(chex.TestCase):
+  """`unstack_layers` (unrolled layer loop) computes what the scan does."""
+
+  @parameterized.parameters(*KINDS)
+  def test_unstacked_generate_equals_stacked(self, variant):
+    config = tiny(variant).replace(init_scale=0.15)
+    params = kvjax.init_params(config, jax.random.key(0))
+    unstacked = model.unstack_layers(params)
+    self.assertIsInstance(unstacked["layers"], tuple)
+    self.assertLen(unstacked["layers"], config.num_layers)
+    chex.assert_trees_all_equal(unstacked["layers"][1],
+                                jax.tree_util.tree_map(lambda w: w[1],
+                                                       params["layers"]))
+    tokens = jax.random.randint(jax.random.key(1), (2, 7), 0,
+                                config.vocab_size)
+    ids, logits, cache = kvjax.generate(params, config, tokens, 5,
+                                        return_logits=True, return_cache=True)
+    ids_u, logits_u, cache_u = kvjax.generate(
+        unstacked, config, tokens, 5, return_logits=True, return_cache=True)
+    np.testing.assert_array_equal(ids_u, ids)
+    chex.assert_trees_all_close(logits_u, logits, atol=1e-6, rtol=0)
+    chex.assert_trees_all_close(cache_u, cache, atol=1e-6, rtol=0)
+
+  def test_bad_unstacked_params_raise(self):
+    config = tiny("gqa")
+    params = model.unstack_layers(kvjax.init_params(config,
+                                                    jax.random.key(0)))
+    with self.assertRaisesRegex(ValueError, "layers"):
+      kvjax.forward(dict(params, layers=params["layers"][:1]), config,
+                    jnp.zeros((1, 4), jnp.int32))
 
 
 class PeakRSSTest(absltest.TestCase):
