@@ -82,7 +82,12 @@ def _check_fits(cache, n_new_max: int, *, fresh: bool, what: str):
   if not fresh:
     if not _is_concrete(cache.length):
       return
-    start = int(np.max(np.asarray(cache.length)))
+    length = cache.length
+    if isinstance(length, jax.Array) and not length.is_fully_addressable:
+      # A mesh over several processes: each holds only its own rows.
+      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+      length = multihost_utils.process_allgather(length, tiled=True)
+    start = int(np.max(np.asarray(length)))
   if policy.eviction == "none" and start + n_new_max > S:
     raise ValueError(
         f"{what}: {start} cached + {n_new_max} new tokens exceed the cache "
@@ -437,7 +442,7 @@ def generate(params, config: ModelConfig, tokens, max_new_tokens: int, *,
   if shardings is not None:
     params, cache, (tokens, mask) = _place(shardings, config, params, cache,
                                            tokens, mask)
-    rng = jax.device_put(rng, shardings.replicated())
+    rng = shardings.put(rng, ())
   toks, logits, cache = _generate(params, config, tokens, mask, cache, rng,
                                   int(max_new_tokens), sampler, return_logits,
                                   tuple(int(t) for t in stop_tokens), pad_id,

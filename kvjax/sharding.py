@@ -180,6 +180,25 @@ def _as_tuple(mesh_axes) -> tuple[str, ...]:
   return tuple(mesh_axes)
 
 
+def place(x, sharding: NamedSharding) -> jax.Array:
+  """`x` with `sharding`: unchanged when it already has it, `device_put`
+  when every target device is this process's, else assembled shard by shard
+  from the host value (a mesh over several processes: each process passes
+  the same global value). PRNG key arrays go through their key data."""
+  if isinstance(x, jax.Array) and jax.dtypes.issubdtype(
+      x.dtype, jax.dtypes.prng_key):
+    data = place(jax.random.key_data(x), NamedSharding(
+        sharding.mesh, PartitionSpec(*sharding.spec, None)))
+    return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+  if isinstance(x, jax.Array):
+    if x.sharding == sharding:
+      return x
+    if sharding.is_fully_addressable or not x.is_fully_addressable:
+      return jax.device_put(x, sharding)
+  x = np.asarray(x)
+  return jax.make_array_from_callback(x.shape, sharding, lambda i: x[i])
+
+
 def make_mesh(shape: Sequence[int],
               axis_names: Sequence[str] | None = None,
               devices: Sequence[Any] | None = None) -> Mesh:
@@ -319,25 +338,15 @@ class ShardingPlan:
 
   # ---- placement ---------------------------------------------------------
   def put(self, x, logical, what="array") -> jax.Array:
-    """Places an array (host or device) with the sharding of `logical`.
-
-    Host arrays are assembled shard by shard, so this also works when the
-    mesh spans several processes (each process passes the same global
-    value)."""
-    sharding = self.sharding(logical, np.shape(x), what)
-    if isinstance(x, jax.Array):
-      if x.sharding == sharding:
-        return x
-      if x.is_fully_addressable:
-        return jax.device_put(x, sharding)
-    x = np.asarray(x)
-    return jax.make_array_from_callback(x.shape, sharding, lambda i: x[i])
+    """Places an array (host or device, PRNG keys too) with the sharding of
+    `logical` (see `place`)."""
+    return place(x, self.sharding(logical, np.shape(x), what))
 
   def put_params(self, params) -> Any:
-    return jax.device_put(params, self.param_shardings(params))
+    return jax.tree_util.tree_map(place, params, self.param_shardings(params))
 
   def put_cache(self, cache) -> Any:
-    return jax.device_put(cache, self.cache_shardings(cache))
+    return jax.tree_util.tree_map(place, cache, self.cache_shardings(cache))
 
   def init_params(self, key: jax.Array) -> Any:
     """`model.init_params`, created directly in its shards (no device ever
@@ -485,5 +494,5 @@ def collective_stats(compiled_text: str) -> dict[str, dict[str, int]]:
 
 
 __all__ = ["MESH_AXES", "RULES", "PARAM_AXES", "ShardingPlan", "plan",
-           "param_axes", "make_mesh", "initialize_distributed", "cache_axes", "describe",
+           "param_axes", "place", "make_mesh", "initialize_distributed", "cache_axes", "describe",
            "shard_bytes", "collective_stats"]

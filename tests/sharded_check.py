@@ -7,6 +7,9 @@ devices, so it checks the same thing on a GPU machine.
   python tests/sharded_check.py --mode=check      # JSON lines on stdout
   python tests/sharded_check.py --mode=measure --capacity=2048 \
       --out=/tmp/sharding_measure.json            # kv_fallback comparison
+  for i in 0 1; do                                # 2 processes x 4 devices
+    JAX_COORDINATOR_ADDRESS=localhost:12355 JAX_NUM_PROCESSES=2 \
+    JAX_PROCESS_ID=$i python tests/sharded_check.py --mode=multihost & done
 
 check: for every mesh shape in --meshes and every variant (tiny preset with
 the head counts doubled, so the model axis 8 divides N): sharded `generate`
@@ -14,6 +17,10 @@ equals single-device `generate` token for token and logits within --atol;
 every cache leaf's per-device shard has the shape the table implies; the
 public decode step compiles once over several steps; no collective in the
 decode step moves as much as one layer of the cache.
+
+multihost: the same mesh spread over several processes
+(`sharding.initialize_distributed`, gloo CPU collectives): sharded generate
+and decode_step equal single-device runs.
 
 measure: for the cases where the model axis does not divide K, each
 kv_fallback's per-device cache bytes, the collectives GSPMD inserted into the
@@ -23,7 +30,9 @@ decode step, and the median decode-step time.
 import os
 import sys
 
-_FLAGS = ["--xla_force_host_platform_device_count=8"]
+# 8 devices in all: split over the processes of a multi-process run.
+_PROCESSES = int(os.environ.get("JAX_NUM_PROCESSES", "1"))
+_FLAGS = [f"--xla_force_host_platform_device_count={8 // _PROCESSES}"]
 if "--mode=measure" not in sys.argv:
   # The checks compare programs with each other, not speed: skip LLVM's
   # optimizations (halves compile time; measured).
@@ -51,7 +60,7 @@ from kvjax import model as kvjax_model
 from kvjax import sharding
 import model as model_presets  # configs/model.py
 
-_MODE = flags.DEFINE_enum("mode", "check", ["check", "measure"],
+_MODE = flags.DEFINE_enum("mode", "check", ["check", "measure", "multihost"],
                           "what to run")
 _MESHES = flags.DEFINE_list("meshes", ["8x1", "1x8", "2x4", "4x2"],
                             "mesh shapes (data x model [x seq])")
@@ -325,8 +334,58 @@ def run_measure():
                 indent=1)
 
 
+def run_multihost():
+  """Sharded generate and decode_step on a (2, 4) mesh whose devices belong
+  to several processes, against single-device runs on a local device."""
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  gather = lambda x: np.asarray(multihost_utils.process_allgather(
+      x, tiled=True))
+  tokens, mask = ragged_prompt()
+  local = jax.local_devices()[0]
+  for variant in _VARIANTS.value:
+    config = config_for(variant)
+    params = init_params(config)
+    p = sharding.plan(config, sharding.make_mesh((2, 4)))
+    sp = p.put_params(params)
+    toks, logits, _ = kvjax.generate(sp, config, tokens, _NEW.value,
+                                     attention_mask=mask, return_logits=True,
+                                     shardings=p)
+    cache = p.init_cache(B, 32)
+    _, cache = kvjax.prefill(sp, config, tokens, cache, attention_mask=mask,
+                             shardings=p)
+    step, cache = kvjax.decode_step(sp, config, np.ones((B,), np.int32),
+                                    cache, shardings=p)
+    with jax.default_device(local):
+      lp = jax.device_put(params, local)
+      ref_toks, ref_logits, _ = kvjax.generate(
+          lp, config, tokens, _NEW.value, attention_mask=mask,
+          return_logits=True)
+      rc = kvjax.init_cache(config, B, 32)
+      _, rc = kvjax.prefill(lp, config, tokens, rc, attention_mask=mask)
+      ref_step, _ = kvjax.decode_step(lp, config, np.ones((B,), np.int32), rc)
+    print(json.dumps(dict(
+        process=jax.process_index(), processes=jax.process_count(),
+        devices=jax.device_count(), variant=config.variant,
+        tokens_equal=bool((gather(toks) == np.asarray(ref_toks)).all()),
+        max_logit_err=float(np.abs(gather(logits) -
+                                   np.asarray(ref_logits)).max()),
+        decode_step_err=float(np.abs(gather(step) -
+                                     np.asarray(ref_step)).max()),
+        local_cache_shards=len(
+            (cache.c_kv if config.attention == "mla" else
+             cache.k).addressable_shards))), flush=True)
+
+
 def main(argv):
   del argv
+  if _MODE.value == "multihost":
+    # CPU collectives across processes.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if not sharding.initialize_distributed():
+      raise SystemExit("--mode=multihost needs JAX_COORDINATOR_ADDRESS, "
+                       "JAX_NUM_PROCESSES and JAX_PROCESS_ID")
+    run_multihost()
+    return
   jax.config.update("jax_numpy_rank_promotion", "raise")
   if _COMPILE_CACHE.value:
     # Inspecting the decode step's HLO recompiles it (`.lower().compile()`);
