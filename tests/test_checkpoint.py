@@ -17,6 +17,7 @@ import os
 import shutil
 import tempfile
 
+from absl import logging
 from absl.testing import absltest
 from absl.testing import parameterized
 import chex
@@ -449,6 +450,14 @@ class ParityTest(chex.TestCase):
       np.testing.assert_array_equal(np.asarray(new), ref_new, err_msg=kind)
       np.testing.assert_allclose(np.asarray(steps), ref_steps, atol=ATOL,
                                  rtol=0, err_msg=kind)
+      # The measured tolerances (WORKSPACE.md table): run with
+      # `-o log_cli=true --log-cli-level=INFO` to see them.
+      logging.info(
+          "parity %s %s: max|dlogit| prompt %.1e, generated %.1e; min top-2 "
+          "gap %.1e; max|logit| %.0f", self._testMethodName, kind,
+          np.abs(np.asarray(logits) - ref_logits)[real].max(),
+          np.abs(np.asarray(steps) - ref_steps).max(),
+          np.min(top2[..., 1] - top2[..., 0]), np.abs(ref_logits[real]).max())
 
 
 if __name__ == "__main__":
