@@ -719,8 +719,9 @@ def load_checkpoint(path, *, param_dtype: str | None = None,
   if not isinstance(hf, dict):
     raise ValueError(f"{cfg_file} must hold a JSON object")
   if hf.get("model_type") not in SUPPORTED_MODEL_TYPES:
-    raise ValueError(f"{cfg_file}: model_type {hf.get('model_type')!r} is not "
-                     f"supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    raise ValueError(
+        f"{cfg_file}: model_type {hf.get('model_type')!r} is not supported; "
+        f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
   files, weight_map = _tensor_files(path)
   where = _scan(path, files, weight_map)
   if param_dtype is None and checkpoint_dtype(hf) is None:
