@@ -188,8 +188,9 @@ class BucketTest(parameterized.TestCase):
 
 
 class AttentionImplTest(parameterized.TestCase):
-  """`jax_nn` (jax.nn.dot_product_attention: cuDNN flash attention on GPU)
-  against the portable einsum, on ragged batches."""
+  """`jax_nn` (jax.nn.dot_product_attention, XLA's implementation) and
+  `cudnn` (cuDNN flash attention, GPU) against the portable einsum, on
+  ragged batches."""
 
   @parameterized.parameters(*GQA_FAMILY)
   def test_jax_nn_equals_einsum(self, variant):
@@ -204,6 +205,15 @@ class AttentionImplTest(parameterized.TestCase):
     chex.assert_tree_all_finite(b)  # padding rows too
     chex.assert_trees_all_close(np.asarray(a)[real], np.asarray(b)[real],
                                 atol=1e-5)
+
+  # Decode through jax_nn for the grouped variants (G > 1: MHA's decode is
+  # the same call with G = 1, and its forward is checked above).
+  @parameterized.parameters(*(v for v in GQA_FAMILY if tiny(v).groups > 1))
+  def test_jax_nn_generation_equals_einsum(self, variant):
+    einsum_cfg = tiny(variant)
+    nn_cfg = dataclasses.replace(einsum_cfg, attention_impl="jax_nn")
+    params = tiny_params(variant)
+    tokens, mask = ragged()
     ga = kvjax.generate(params, einsum_cfg, tokens, NEW, attention_mask=mask,
                         return_logits=True)
     gb = kvjax.generate(params, nn_cfg, tokens, NEW, attention_mask=mask,

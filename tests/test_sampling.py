@@ -77,7 +77,9 @@ class SamplerValidationTest(parameterized.TestCase):
   def test_generate_needs_a_key_to_sample(self):
     config = kvjax.ModelConfig.from_dict(
         model_presets.model_dict("gqa", "tiny"))
-    params = kvjax.init_params(config, jax.random.key(0))
+    # Shapes suffice: the error comes before any compute.
+    params = jax.eval_shape(lambda: kvjax.init_params(config,
+                                                      jax.random.key(0)))
     with self.assertRaisesRegex(ValueError, "rng"):
       kvjax.generate(params, config, np.ones((1, 3), np.int32), 2,
                      sampler=Sampler(temperature=1.0))
@@ -110,7 +112,8 @@ class SamplerTest(chex.TestCase, parameterized.TestCase):
     self.assertTrue(bool(jnp.any(a != c)))
 
   def test_jit_and_eager_agree(self):
-    logits = jax.random.normal(jax.random.key(101), (64, 40))
+    # The shapes of test_same_key_same_tokens: its eager ops are compiled.
+    logits = jax.random.normal(jax.random.key(101), (256, 40))
     key = jax.random.key(4)
     for name, sampler in SAMPLERS.items():
       with self.subTest(name):
