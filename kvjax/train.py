@@ -508,6 +508,10 @@ def fit(state: TrainState, *, train_tokens: np.ndarray,
     workdir: where checkpoints, metrics.jsonl and loss.png go.
     model_config_dict: JSON-able model config, saved with every checkpoint.
 
+  Train records in metrics.jsonl average the steps since the previous log
+  of this process, so the first one after a resume that is not on a
+  log_every boundary averages fewer steps; validation records are exact.
+
   Returns:
     (final state, final validation metrics).
   """
