@@ -65,6 +65,8 @@ def get_config(arg: str = "gqa-medium") -> ml_collections.ConfigDict:
       eviction="none", num_sinks=0, recent=0, positions="original",
       kv_dtype="float32"))
   cfg.generate = ml_collections.ConfigDict(dict(
-      batch=1, prompt_len=128, max_new_tokens=128, temperature=0.0, top_k=0,
-      top_p=1.0, seed=0))
+      # temperature 0 is greedy; the shipped byte-level model reads better
+      # sampled (greedy decoding of a 2 bits/byte model loops).
+      batch=1, prompt_len=128, max_new_tokens=200, temperature=0.8, top_k=40,
+      top_p=0.95, seed=0))
   return cfg

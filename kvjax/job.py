@@ -136,6 +136,7 @@ def run(loaded: LoadedModel, tokens: np.ndarray, *, max_new_tokens: int,
   )
   if loaded.byte_level:
     from kvjax import data  # pylint: disable=g-import-not-at-top
+    report["prompt_text"] = data.decode(np.asarray(tokens)[0])
     report["text"] = [data.decode(row) for row in np.asarray(ids)]
   if verify_steps:
     n = min(verify_steps, max_new_tokens)
@@ -170,6 +171,7 @@ def format_report(r: dict[str, Any]) -> str:
     lines.append(f"verify       first {r['verify_steps']} cached tokens vs "
                  f"no-cache recompute: {verdict}")
   if "text" in r:
+    lines.append(f"prompt       {r['prompt_text']!r}")
     for i, t in enumerate(r["text"]):
       lines.append(f"text[{i}]      {t!r}")
   else:
