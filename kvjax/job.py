@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import benchmarking
 from kvjax import cache as cache_lib
 from kvjax import inference
 from kvjax import model
@@ -73,17 +74,6 @@ def prompt_tokens(loaded: LoadedModel, *, text: str, batch: int,
                       dtype=np.int32)
 
 
-def _timed(fn, repeats: int):
-  """Median wall time of `fn()` (results blocked on), after one warm-up."""
-  out = jax.block_until_ready(fn())
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    out = jax.block_until_ready(fn())
-    times.append(time.perf_counter() - t0)
-  return out, float(np.median(times))
-
-
 def run(loaded: LoadedModel, tokens: np.ndarray, *, max_new_tokens: int,
         policy: cache_lib.CachePolicy, capacity: int = 0,
         sampler: Sampler = Sampler(), seed: int = 0, verify_steps: int = 0,
@@ -116,8 +106,9 @@ def run(loaded: LoadedModel, tokens: np.ndarray, *, max_new_tokens: int,
   t0 = time.perf_counter()
   jax.block_until_ready(gen())
   compile_generate = time.perf_counter() - t0
-  _, t_prefill = _timed(pre, repeats)
-  (ids, _, cache), t_generate = _timed(gen, repeats)
+  t_prefill = benchmarking.time_fn(pre, warmup=1, repeats=repeats).median
+  t_generate = benchmarking.time_fn(gen, warmup=0, repeats=repeats).median
+  ids, _, cache = gen()
   decode_time = max(t_generate - t_prefill, 1e-9)
   bytes_ = cache_lib.cache_bytes(cache)
   report = dict(
