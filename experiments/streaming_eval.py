@@ -6,10 +6,14 @@ token by token, with every cache policy at the same capacity S: dense
 with recompute, and H2O. Prints the table, plots perplexity against position,
 and times one decode step per token for sinks against recompute.
 
-  python experiments/train.py --config=configs/train.py:gqa \
-      --workdir=workdir/train-gqa                     # the model
-  python experiments/streaming_eval.py --checkpoint=workdir/train-gqa \
-      --workdir=workdir/streaming
+  python experiments/streaming_eval.py --workdir=workdir/streaming
+
+The default model is the shipped checkpoints/austen-gqa (trained by
+`python experiments/train.py --config=configs/train.py:gqa`); any training
+workdir works with --checkpoint. The default run (8192 bytes, S=256,
+recompute scored on every 4th token) took 6 min on the shared 2-core CPU;
+--recompute_stride=1 scores every token (recompute costs W forward tokens
+per scored token).
 
 Outputs in --workdir: results.json (table, curves, timings, flags),
 perplexity.png, table.md.
@@ -33,7 +37,7 @@ from kvjax import train
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.",
                                required=True)
 _CHECKPOINT = flags.DEFINE_string(
-    "checkpoint", "workdir/train-gqa",
+    "checkpoint", "checkpoints/austen-gqa",
     "Training workdir of experiments/train.py (kvjax.train.restore_params); "
     "empty: a random-weight model from --model (a smoke run, not a result).")
 _MODEL = config_flags.DEFINE_config_file(

@@ -478,6 +478,38 @@ class NoRecompilationTest(absltest.TestCase):
     self.assertEqual(streaming._decode_scan._cache_size(), before)  # pylint: disable=protected-access
 
 
+class TimingAndPlotsTest(absltest.TestCase):
+
+  def test_timing_table(self):
+    config = CONFIGS[0]
+    tokens = _tokens(config, (4 * S,))
+    table = streaming.timing_table(_params(config), config, tokens,
+                                   ["sinks2:original", "recompute"], [S],
+                                   steps=4, rounds=2)
+    self.assertEqual([(t["name"], t["slots"]) for t in table],
+                     [("sinks2:original", S), ("recompute", S)])
+    for t in table:
+      self.assertGreater(t["ms_per_token"], 0)
+    self.assertEqual(table[1]["recompute_over_this"], 1.0)
+    with self.assertRaisesRegex(ValueError, "tokens"):
+      streaming.timing_table(_params(config), config, tokens[:S],
+                             ["sinks2:original"], [S], steps=4, rounds=2)
+
+  def test_plots_write_png(self):
+    out = self.create_tempdir().full_path
+    nll = np.log(np.linspace(2.0, 4.0, 64))[None]
+    curves = {"window": streaming.perplexity_by_position(nll, 16)}
+    streaming.plot_perplexity(curves, os.path.join(out, "p.png"),
+                              capacity=16, train_len=32, title="t")
+    trace = [dict(tokens=t, used=10 * min(t, 4), kv=40) for t in range(9)]
+    streaming.plot_memory({"gqa sinks": dict(variant="gqa", bounded=True,
+                                             trace=trace)},
+                          os.path.join(out, "m.png"), capacity=4)
+    for name in ("p.png", "m.png"):
+      with open(os.path.join(out, name), "rb") as f:
+        self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
+
+
 class MemoryTraceTest(absltest.TestCase):
 
   def test_bytes_grow_then_cap(self):
