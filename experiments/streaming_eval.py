@@ -75,9 +75,13 @@ _TIME_CAPACITIES = flags.DEFINE_list(
     "time_capacities", [], "Cache sizes to time at (default: --capacity).")
 _TIME_ROUNDS = flags.DEFINE_integer("time_rounds", 7,
                                     "Interleaved timing rounds (median).")
+_PROFILE_OFFSETS = flags.DEFINE_list(
+    "profile_offsets", ["10000", "100000"],
+    "Novel offsets of --capacity-byte windows whose attention profile (mass "
+    "on the first token, locality) is recorded: is there an attention sink?")
 _FLAGS = (_CHECKPOINT, _STEP, _NOVEL, _OFFSET, _STREAM_LEN, _CAPACITY,
           _POLICIES, _H2O_RECENT, _RECOMPUTE_STRIDE, _CHUNK, _MICRO_BATCH,
-          _BIN, _TIME_POLICIES, _TIME_CAPACITIES, _TIME_STEPS,
+          _BIN, _PROFILE_OFFSETS, _TIME_POLICIES, _TIME_CAPACITIES, _TIME_STEPS,
           _TIME_ROUNDS)
 
 
@@ -129,6 +133,17 @@ def main(argv):
           (f" (recompute / this = {t['recompute_over_this']:.1f}x)"
            if "recompute_over_this" in t else ""))
 
+  profiles = []
+  for off in (int(o) for o in _PROFILE_OFFSETS.value):
+    prof = streaming.attention_profile(params, config,
+                                       stream[off:off + cap])
+    profiles.append(dict(offset=off, **prof))
+    print(f"attention, bytes {off}..{off + cap}, queries {cap // 2}..{cap - 1}:"
+          f" first token {prof['first_token']:.5f} (uniform "
+          f"{prof['first_token_if_uniform']:.5f}), distance < "
+          f"{prof['near']}: {prof['within_near']:.3f}, >= {prof['far']}: "
+          f"{prof['beyond_far']:.3f}")
+
   curves = {name: streaming.perplexity_by_position(v, _BIN.value)
             for name, v in nll.items()}
   title = (f"{config.variant} byte model "
@@ -145,7 +160,7 @@ def main(argv):
                  step=step, train_seq_len=train_len,
                  config=config.to_dict()),
       stream=dict(novel=_NOVEL.value, offset=_OFFSET.value, tokens=n),
-      table=table, timing=timing,
+      table=table, timing=timing, attention_profile=profiles,
       curves={k: dict(position=c.tolist(), ppl=p.tolist())
               for k, (c, p) in curves.items()})
   with open(os.path.join(_WORKDIR.value, "results.json"), "w") as f:

@@ -598,6 +598,62 @@ def memory_trace(params, config: ModelConfig, tokens, cache, *,
   return trace, cache
 
 
+# ---- where attention goes (is there an attention sink?) ----------------------
+@functools.partial(jax.jit, static_argnames=("config",))
+def _received_scan(params, config, tokens_BT, cache):
+  """Per step, the attention each slot received from the new token (summed
+  over layers and heads): the growth of the h2o scores. [T, B, S]."""
+
+  def body(cache, tok_B):
+    before_BS = cache.scores
+    _, cache = model.decode_logits(params, config, tok_B, cache)
+    return cache, cache.scores - before_BS
+
+  _, received_TBS = jax.lax.scan(body, cache, tokens_BT.T)
+  return received_TBS
+
+
+def attention_matrix(params, config: ModelConfig, tokens):
+  """A[q, k]: attention query q pays key k, averaged over layers, heads and
+  the batch, [T, T] numpy (rows sum to 1 over k <= q).
+
+  Computed by the library's own decode step: an h2o cache with S = T (so
+  nothing is evicted and slot = position) accumulates exactly this.
+
+  Args:
+    tokens: [T] or [B, T] ids.
+  """
+  tokens_BT = _as_BN(tokens).astype(np.int32)
+  b, t = tokens_BT.shape
+  cache = cache_lib.init_cache(config, b, t, policy=cache_lib.CachePolicy(
+      "h2o", recent=1))
+  _check_stream(params, config, tokens_BT, cache, "tokens")
+  received = np.asarray(_received_scan(params, config, tokens_BT, cache))
+  return received.mean(axis=1) / (config.num_layers * config.num_heads)
+
+
+def attention_profile(params, config: ModelConfig, tokens, *,
+                      near: int = 16, far: int = 128) -> dict:
+  """Where the second half of a window's queries put their attention.
+
+  Returns:
+    first_token: mean attention on key 0 for queries q >= T/2;
+    first_token_if_uniform: the same for uniform causal attention;
+    within_near / beyond_far: mean attention at distance q - k < near /
+      >= far.
+  """
+  a = attention_matrix(params, config, tokens)
+  t = a.shape[0]
+  q = np.arange(t // 2, t)
+  dist = q[:, None] - np.arange(t)[None, :]
+  rows = a[q]
+  return dict(first_token=float(rows[:, 0].mean()),
+              first_token_if_uniform=float(np.mean(1.0 / (q + 1))),
+              within_near=float((rows * (dist < near)).sum(1).mean()),
+              beyond_far=float((rows * (dist >= far)).sum(1).mean()),
+              near=near, far=far, window=t)
+
+
 def evaluate_rows(params, config: ModelConfig, tokens, rows: dict, *,
                   chunk: int = 512, micro_batch: int = 8,
                   recompute_stride: int = 1, log_every: int = 0):

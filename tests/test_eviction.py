@@ -510,6 +510,22 @@ class TimingAndPlotsTest(absltest.TestCase):
         self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
 
 
+class AttentionProfileTest(parameterized.TestCase):
+
+  @parameterized.named_parameters((c.variant, c) for c in CONFIGS[2:])
+  def test_attention_matrix_is_causal_and_normalised(self, config):
+    a = streaming.attention_matrix(_params(config), config,
+                                   _tokens(config, (2, S)))
+    chex.assert_shape(a, (S, S))
+    np.testing.assert_allclose(a.sum(axis=1), np.ones(S), rtol=1e-5)
+    np.testing.assert_array_equal(np.triu(a, 1), 0)
+    self.assertEqual(a[0, 0], 1.0)
+    prof = streaming.attention_profile(_params(config), config,
+                                       _tokens(config, (S,)), near=4, far=8)
+    self.assertAlmostEqual(prof["first_token_if_uniform"],
+                           np.mean(1 / np.arange(S // 2 + 1, S + 1)))
+
+
 class MemoryTraceTest(absltest.TestCase):
 
   def test_bytes_grow_then_cap(self):
