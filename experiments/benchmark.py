@@ -20,6 +20,7 @@ Modes (each writes <mode>.json and, where it plots, <mode>.png to --workdir):
              context (--quant_batch × --quant_context).
   sweep      decode step time against context length and batch for every
              variant and kv_dtype (the cache-dominated regime).
+  ppl        only the perplexity part of `quant`.
 
 Multi-variant modes build `model_dict(variant, size)` for the preset's size.
 All logic lives in `kvjax.benchmarking`; this file only sequences and plots.
@@ -49,7 +50,8 @@ from kvjax import inference  # pylint: disable=g-import-not-at-top
 from kvjax import model  # pylint: disable=g-import-not-at-top
 import model as model_presets  # pylint: disable=g-import-not-at-top
 
-MODES = ("memory", "positions", "variants", "roofline", "quant", "sweep")
+MODES = ("memory", "positions", "variants", "roofline", "quant", "sweep",
+         "ppl")
 KV_DTYPES = ("float32", "bfloat16", "int8")
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -83,6 +85,9 @@ _CHECKPOINT = flags.DEFINE_string("checkpoint", "",
                                   "HF checkpoint dir for perplexity.")
 _PPL_TOKENS = flags.DEFINE_integer("ppl_tokens", 2048,
                                    "Validation tokens scored for perplexity.")
+_PPL_WINDOW = flags.DEFINE_integer(
+    "ppl_window", 256, "Tokens per scored row (the trained context length: "
+    "a byte model trained on 256-byte windows degrades beyond them).")
 _QUANT_BATCH = flags.DEFINE_integer("quant_batch", 16, "Long-context batch.")
 _QUANT_CONTEXT = flags.DEFINE_integer("quant_context", 4096,
                                       "Long-context cached tokens.")
@@ -356,15 +361,18 @@ def _perplexity(kv_dtypes):
   if not loaded.byte_level:
     raise ValueError("perplexity needs a byte-level kvjax model (--trained)")
   docs = data.split_documents(data.load_austen()).validation
-  stream = data.documents_to_stream(docs)[:_PPL_TOKENS.value + 1]
+  W = _PPL_WINDOW.value
+  rows = max(1, _PPL_TOKENS.value // W)
+  stream = data.documents_to_stream(docs)[:rows * W].reshape(rows, W)
   out = {}
   for dt in kv_dtypes:
-    cache = kvjax.init_cache(loaded.config, 1, len(stream), dtype=dt)
+    cache = kvjax.init_cache(loaded.config, rows, W, dtype=dt)
     nll, _ = streaming.stream_nll(loaded.params, loaded.config, stream, cache)
     out[dt] = streaming.perplexity(nll)
-    logging.info("perplexity (%s, %d tokens) with a %s cache: %.4f",
-                 loaded.source, len(stream) - 1, dt, out[dt])
-  return dict(source=loaded.source, tokens=len(stream) - 1, by_dtype=out)
+    logging.info("perplexity (%s, %d rows x %d tokens) with a %s cache: "
+                 "%.4f", loaded.source, rows, W, dt, out[dt])
+  return dict(source=loaded.source, rows=rows, window=W,
+              tokens=rows * (W - 1), by_dtype=out)
 
 
 def run_quant():
@@ -469,6 +477,9 @@ def main(argv):
       run_quant()
     elif mode == "sweep":
       run_sweep()
+    elif mode == "ppl":
+      _save("ppl", dict(perplexity=_perplexity(
+          ("float32", "bfloat16", "float16", "int8"))))
 
 
 if __name__ == "__main__":
