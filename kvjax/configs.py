@@ -22,5 +22,7 @@ def cache_policy(cfg: ml_collections.ConfigDict) -> CachePolicy:
 
 
 def sampler(cfg: ml_collections.ConfigDict) -> Sampler:
-  """Sampler from a ConfigDict's `generate` section."""
-  return Sampler(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
+  """Sampler from a ConfigDict's `generate` section (top_k 0 = off: a
+  ConfigDict field keeps one type, so 0 stands for the library's None)."""
+  return Sampler(temperature=cfg.temperature, top_k=cfg.top_k or None,
+                 top_p=cfg.top_p)

@@ -17,14 +17,15 @@ import jax.numpy as jnp
 @dataclasses.dataclass(frozen=True)
 class Sampler:
   temperature: float = 0.0  # 0 means greedy (argmax)
-  top_k: int = 0  # 0 means no top-k filter
+  top_k: int | None = None  # None means no top-k filter
   top_p: float = 1.0  # 1 means no nucleus filter
 
   def __post_init__(self):
     if self.temperature < 0:
       raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-    if self.top_k < 0:
-      raise ValueError(f"top_k must be >= 1 (or 0 for off), got {self.top_k}")
+    if self.top_k is not None and self.top_k < 1:
+      raise ValueError(f"top_k must be >= 1 (or None for off), got "
+                       f"{self.top_k}")
     if not 0.0 < self.top_p <= 1.0:
       raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
@@ -36,7 +37,7 @@ class Sampler:
     """Temperature-scaled logits with filtered-out tokens at -inf."""
     logits_BV = logits_BV.astype(jnp.float32) / self.temperature
     neg = jnp.finfo(jnp.float32).min
-    if self.top_k:
+    if self.top_k is not None:
       # k >= V keeps everything (as in transformers), never a trace error.
       k = min(self.top_k, logits_BV.shape[-1])
       kth_B1 = jax.lax.top_k(logits_BV, k)[0][:, -1:]

@@ -55,6 +55,7 @@ class SamplerValidationTest(parameterized.TestCase):
   @parameterized.named_parameters(
       ("negative_temperature", dict(temperature=-0.1), "temperature"),
       ("top_k_below_zero", dict(temperature=1.0, top_k=-1), "top_k"),
+      ("top_k_zero", dict(temperature=1.0, top_k=0), "top_k"),
       ("top_p_zero", dict(temperature=1.0, top_p=0.0), "top_p"),
       ("top_p_negative", dict(temperature=1.0, top_p=-0.5), "top_p"),
       ("top_p_above_one", dict(temperature=1.0, top_p=1.01), "top_p"),
