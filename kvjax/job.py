@@ -131,6 +131,10 @@ def run(loaded: LoadedModel, tokens: np.ndarray, *, max_new_tokens: int,
     report["text"] = [data.decode(row) for row in np.asarray(ids)]
   if verify_steps:
     n = min(verify_steps, max_new_tokens)
+    if policy.bounded:
+      # Past the capacity an evicting cache legitimately differs from the
+      # full recompute: verify only the steps before the first eviction.
+      n = max(1, min(n, capacity - T + 1))
     ref = inference.generate_no_cache(params, cfg, tokens, n, sampler=sampler,
                                       rng=rng)
     cached = inference.generate(params, cfg, tokens, n, sampler=sampler,
