@@ -446,6 +446,39 @@ class LongStreamTest(parameterized.TestCase):
       self.assertEqual(len(set(held)), capacity)
 
 
+class RaggedBatchTest(absltest.TestCase):
+
+  def test_rows_evict_independently(self):
+    """A left-padded batch (prompts of 3 and 6 tokens, prefilled in one
+    pass) then decoded past the capacity equals each row run alone: each
+    row's sinks are its own first tokens, its ranks its own."""
+    config = CONFIGS[2]
+    params = _params(config)
+    policy = cache_lib.CachePolicy("sinks", num_sinks=SINKS,
+                                   positions="cache")
+    rng = np.random.default_rng(5)
+    rows = [rng.integers(0, config.vocab_size, size=n) for n in (3, 6)]
+    tokens = np.zeros((2, 6), np.int32)
+    mask = np.zeros((2, 6), np.int32)
+    for b, r in enumerate(rows):
+      tokens[b, 6 - len(r):], mask[b, 6 - len(r):] = r, 1
+    more = _tokens(config, (2, 2 * S), seed=6)
+    cache = cache_lib.init_cache(config, 2, S, policy=policy)
+    first, cache = kvjax.prefill(params, config, tokens, cache,
+                                 attention_mask=mask)
+    logits, cache = streaming.decode_tokens(params, config, more, cache)
+    for b, r in enumerate(rows):
+      alone = cache_lib.init_cache(config, 1, S, policy=policy)
+      first_b, alone = kvjax.prefill(params, config, r[None], alone)
+      logits_b, alone = streaming.decode_tokens(params, config,
+                                                more[b:b + 1], alone)
+      chex.assert_trees_all_close(first[b], first_b[0], atol=ATOL, rtol=RTOL)
+      chex.assert_trees_all_close(logits[b], logits_b[0], atol=ATOL,
+                                  rtol=RTOL)
+      np.testing.assert_array_equal(np.sort(cache.positions[b]),
+                                    np.sort(alone.positions[0]))
+
+
 class NoRecompilationTest(absltest.TestCase):
 
   def test_decode_traces_once(self):
