@@ -51,10 +51,19 @@ class CachePolicy:
             the slots hold the tokens with the largest accumulated attention
             (H2O, Zhang et al. 2023).
   positions:
-    original  keys are rotated once, at their position in the stream.
+    original  keys are rotated once, at their position in the stream. Kept
+              old tokens (sinks, heavy hitters) then sit at their full stream
+              distance from the query, which a long stream pushes beyond any
+              distance seen in training.
     cache     keys are stored before RoPE and rotated at attention time by
-              their rank inside the cache (StreamingLLM's choice); costs one
-              rotation of every cached key per step.
+              their rank inside the cache (StreamingLLM's choice), so the
+              cache always looks like positions 0..S-1. Costs one rotation of
+              every cached key of every layer per step: K·H numbers per slot
+              for GQA, only the R-wide `k_rope` for MLA (the latent is
+              position-free); h2o also ranks the slots (a sort) per step.
+              Measured +13-18 % per GQA decode step, +5-8 % for MLA, at
+              S = 1024 (WORKSPACE.md). With window eviction both modes are
+              the same model (RoPE is relative).
   kv_dtype: storage dtype; int8 stores symmetric per-token-per-head scales.
   """
 

@@ -13,7 +13,12 @@ def h2o_slot(cache):
   the cached token with the smallest accumulated attention among those
   outside the `recent` window (the newest `recent - 1` cached tokens plus the
   incoming one are always kept). Scores are summed over layers and heads, so
-  every layer evicts the same token and `positions` stays one [B, S] array.
+  every layer evicts the same token and `positions` stays one [B, S] array:
+  one mask, one rank table and one byte count serve every layer, and the
+  slot is chosen once per step, before the layer scan. (MLA's latent is
+  shared by all heads, so per-head eviction does not exist there.) The
+  paper's H2O evicts per layer and head, which would need positions
+  [L, B, K, S] and per-layer masks.
   """
   S, recent = cache.capacity, cache.policy.recent
   length_B = cache.length
