@@ -23,6 +23,7 @@ from ml_collections import config_flags
 
 from kvjax import configs
 from kvjax import job
+from kvjax import sharding
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", os.path.join(os.path.dirname(__file__), "..", "configs",
@@ -40,10 +41,15 @@ _PROMPT = flags.DEFINE_string(
 _VERIFY_STEPS = flags.DEFINE_integer(
     "verify_steps", 16, "Check this many cached tokens against no-cache.")
 _WORKDIR = flags.DEFINE_string("workdir", "", "Where report.json goes.")
+_MESH = flags.DEFINE_list(
+    "mesh", [], "Device mesh axis sizes (data,model[,seq]), e.g. 2,4; empty "
+    "runs on one device. Multi-process: set JAX_COORDINATOR_ADDRESS, "
+    "JAX_NUM_PROCESSES and JAX_PROCESS_ID (see WORKSPACE.md).")
 
 
 def main(argv):
   del argv
+  sharding.initialize_distributed()  # a no-op for a single process
   cfg = _CONFIG.value
   trained = _TRAINED.value
   if not (_CHECKPOINT.value or trained or _RANDOM.value):
@@ -59,7 +65,11 @@ def main(argv):
                              batch=cfg.generate.batch,
                              prompt_len=cfg.generate.prompt_len,
                              seed=cfg.generate.seed)
-  report = job.run(loaded, tokens,
+  plan = None
+  if _MESH.value:
+    mesh = sharding.make_mesh([int(n) for n in _MESH.value])
+    plan = sharding.plan(loaded.config, mesh)
+  report = job.run(loaded, tokens, shardings=plan,
                    max_new_tokens=cfg.generate.max_new_tokens,
                    policy=configs.cache_policy(cfg.cache),
                    capacity=cfg.cache.capacity,

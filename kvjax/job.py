@@ -77,8 +77,11 @@ def prompt_tokens(loaded: LoadedModel, *, text: str, batch: int,
 def run(loaded: LoadedModel, tokens: np.ndarray, *, max_new_tokens: int,
         policy: cache_lib.CachePolicy, capacity: int = 0,
         sampler: Sampler = Sampler(), seed: int = 0, verify_steps: int = 0,
-        repeats: int = 3) -> dict[str, Any]:
+        repeats: int = 3, shardings=None) -> dict[str, Any]:
   """Generates, times and verifies. Returns a JSON-able report.
+
+  `shardings` (a `kvjax.sharding.ShardingPlan`) runs prefill and generate
+  under its mesh; params are placed by it first.
 
   Timing: prefill alone and the whole `generate` (prefill + lax.scan decode)
   are each compiled once, then timed `repeats` times (median); decode
@@ -86,6 +89,8 @@ def run(loaded: LoadedModel, tokens: np.ndarray, *, max_new_tokens: int,
   token comes from the prefill logits.
   """
   cfg, params = loaded.config, loaded.params
+  if shardings is not None:
+    params = shardings.put_params(params)
   B, T = tokens.shape
   capacity = capacity or inference.default_capacity(
       inference.bucket_length(T), max_new_tokens)
@@ -94,11 +99,15 @@ def run(loaded: LoadedModel, tokens: np.ndarray, *, max_new_tokens: int,
   def gen():
     return inference.generate(params, cfg, tokens, max_new_tokens,
                               sampler=sampler, rng=rng, capacity=capacity,
-                              policy=policy, return_cache=True)
+                              policy=policy, return_cache=True,
+                              shardings=shardings)
 
   def pre():
-    cache = cache_lib.init_cache(cfg, B, capacity, policy=policy)
-    return inference.prefill(params, cfg, tokens, cache)
+    if shardings is None:
+      cache = cache_lib.init_cache(cfg, B, capacity, policy=policy)
+    else:
+      cache = shardings.init_cache(B, capacity, policy=policy)
+    return inference.prefill(params, cfg, tokens, cache, shardings=shardings)
 
   t0 = time.perf_counter()
   jax.block_until_ready(pre())
