@@ -315,6 +315,24 @@ def bucket_length(n: int, minimum: int = 16) -> int:
   return max(minimum, 1 << math.ceil(math.log2(max(n, 1))))
 
 
+def _generation_inputs(params, config, tokens, max_new_tokens, attention_mask,
+                       bucket):
+  """Shared validation of `generate` / `generate_no_cache`; returns the
+  (optionally bucket-padded) int32 tokens and bool mask, [B, T]."""
+  model.check_params(params, config)
+  check_tokens(tokens, config)
+  if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens must be an int >= 1, got "
+                     f"{max_new_tokens!r}")
+  mask = check_mask(attention_mask, tokens)
+  tokens = jnp.asarray(tokens, jnp.int32)
+  if bucket:
+    pad = bucket_length(tokens.shape[1]) - tokens.shape[1]
+    tokens = jnp.pad(tokens, ((0, 0), (pad, 0)))
+    mask = jnp.pad(mask, ((0, 0), (pad, 0)))
+  return tokens, mask
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("config", "steps", "sampler", "return_logits",
@@ -410,18 +428,9 @@ def generate(params, config: ModelConfig, tokens, max_new_tokens: int, *,
     new ids [B, max_new_tokens]; with return_logits / return_cache a tuple
     (ids, logits [B, max_new_tokens, V] or None, cache or None).
   """
-  model.check_params(params, config)
-  check_tokens(tokens, config)
-  if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-    raise ValueError(f"max_new_tokens must be an int >= 1, got "
-                     f"{max_new_tokens!r}")
-  mask = check_mask(attention_mask, tokens)
-  tokens = jnp.asarray(tokens, jnp.int32)
+  tokens, mask = _generation_inputs(params, config, tokens, max_new_tokens,
+                                    attention_mask, bucket)
   B, T = tokens.shape
-  if bucket:
-    pad = bucket_length(T) - T
-    tokens = jnp.pad(tokens, ((0, 0), (pad, 0)))
-    mask = jnp.pad(mask, ((0, 0), (pad, 0)))
   n_max = int(np.asarray(mask).sum(axis=1).max())
   policy = policy or cache_lib.CachePolicy()
   if capacity is None:
@@ -491,17 +500,8 @@ def generate_no_cache(params, config: ModelConfig, tokens,
   grows with its position as in a real recompute. Same signature and result
   as `generate` with the default (unbounded) cache.
   """
-  model.check_params(params, config)
-  check_tokens(tokens, config)
-  if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-    raise ValueError(f"max_new_tokens must be an int >= 1, got "
-                     f"{max_new_tokens!r}")
-  mask = check_mask(attention_mask, tokens)
-  tokens = jnp.asarray(tokens, jnp.int32)
-  if bucket:
-    pad = bucket_length(tokens.shape[1]) - tokens.shape[1]
-    tokens = jnp.pad(tokens, ((0, 0), (pad, 0)))
-    mask = jnp.pad(mask, ((0, 0), (pad, 0)))
+  tokens, mask = _generation_inputs(params, config, tokens, max_new_tokens,
+                                    attention_mask, bucket)
   if not sampler.greedy and rng is None:
     raise ValueError("a sampling Sampler needs an explicit rng key")
   rng = jax.random.key(0) if rng is None else rng

@@ -7,7 +7,6 @@ compiled chunk step needs less temporary memory than the one-pass prefill;
 bad chunk sizes raise ValueError naming `chunk_size`.
 """
 
-import functools
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -26,15 +25,7 @@ KINDS = tuple({model_presets.model_dict(v, "tiny")["attention"]: v
                for v in reversed(VARIANTS)}.values())
 
 
-@functools.lru_cache(maxsize=None)
-def tiny(variant: str) -> kvjax.ModelConfig:
-  return kvjax.ModelConfig.from_dict(
-      dict(model_presets.model_dict(variant, "tiny"), init_scale=0.15))
-
-
-@functools.lru_cache(maxsize=None)
-def tiny_params(variant: str):
-  return kvjax.init_params(tiny(variant), jax.random.key(0))
+from tiny_models import tiny, tiny_params  # pylint: disable=g-bad-import-order
 
 
 def ragged_prompt(config, B=3, T=11, seed=1):

@@ -5,7 +5,6 @@ prefill(T) + decode equals prefill(T + 1); causality; one trace for many
 decode steps; cache shapes, bytes and finiteness; jit == no jit.
 """
 
-import functools
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -23,17 +22,7 @@ import model as model_presets  # configs/model.py (see conftest.py)
 VARIANTS = model_presets.VARIANTS
 
 
-@functools.lru_cache(maxsize=None)
-def tiny(variant: str) -> kvjax.ModelConfig:
-  # A larger init scale than the default keeps greedy top-1/top-2 gaps wide,
-  # so token equality checks are not decided by float rounding.
-  return kvjax.ModelConfig.from_dict(
-      dict(model_presets.model_dict(variant, "tiny"), init_scale=0.15))
-
-
-@functools.lru_cache(maxsize=None)
-def tiny_params(variant: str):
-  return kvjax.init_params(tiny(variant), jax.random.key(0))
+from tiny_models import tiny, tiny_params  # pylint: disable=g-bad-import-order
 
 
 def prompt(batch=2, length=7, seed=1, vocab=256):

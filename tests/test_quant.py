@@ -28,16 +28,7 @@ KINDS = tuple({model_presets.model_dict(v, "tiny")["attention"]: v
 KV_DTYPES = ("float32", "bfloat16", "float16", "int8")
 
 
-@functools.lru_cache(maxsize=None)
-def tiny(variant: str) -> kvjax.ModelConfig:
-  # Wide logit margins (see test_core.py).
-  return kvjax.ModelConfig.from_dict(
-      dict(model_presets.model_dict(variant, "tiny"), init_scale=0.15))
-
-
-@functools.lru_cache(maxsize=None)
-def tiny_params(variant: str):
-  return kvjax.init_params(tiny(variant), jax.random.key(0))
+from tiny_models import tiny, tiny_params  # pylint: disable=g-bad-import-order
 
 
 def _storage(cache):
