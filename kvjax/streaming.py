@@ -113,6 +113,21 @@ def _chunks(n: int, chunk: int):
   return [(s, min(s + chunk, n)) for s in range(0, n, chunk)]
 
 
+def _stream_inputs(params, config, tokens, cache, chunk: int, what: str):
+  """Validates a scored stream before any compute; returns (int32 tokens
+  [B, N], n = N - 1 scored positions)."""
+  tokens_BN = _as_BN(tokens).astype(np.int32)
+  if tokens_BN.shape[1] < 2:
+    raise ValueError(f"tokens: a stream needs N >= 2 tokens, got "
+                     f"{tokens_BN.shape[1]}")
+  if chunk < 1:
+    raise ValueError(f"chunk must be >= 1, got {chunk}")
+  _check_stream(params, config, tokens_BN, cache, "tokens")
+  n = tokens_BN.shape[1] - 1
+  inference._check_fits(cache, n, fresh=False, what=what)  # pylint: disable=protected-access
+  return tokens_BN, n
+
+
 def stream_nll(params, config: ModelConfig, tokens, cache, *,
                chunk: int = 512, log_every: int = 0):
   """Per-token NLL of a stream read token by token through `cache`.
@@ -129,15 +144,8 @@ def stream_nll(params, config: ModelConfig, tokens, cache, *,
      tokens[:, :t+1]), NaN where any logit of that step is not finite; the
      cache after the first N-1 tokens)
   """
-  tokens_BN = _as_BN(tokens).astype(np.int32)
-  if tokens_BN.shape[1] < 2:
-    raise ValueError(f"tokens: a stream needs N >= 2 tokens, got "
-                     f"{tokens_BN.shape[1]}")
-  if chunk < 1:
-    raise ValueError(f"chunk must be >= 1, got {chunk}")
-  _check_stream(params, config, tokens_BN, cache, "tokens")
-  n = tokens_BN.shape[1] - 1
-  inference._check_fits(cache, n, fresh=False, what="stream_nll")  # pylint: disable=protected-access
+  tokens_BN, n = _stream_inputs(params, config, tokens, cache, chunk,
+                                "stream_nll")
   out, logged = [], 0
   for start, stop in _chunks(n, chunk):
     nll, _, cache = _decode_scan(params, config, tokens_BN[:, start:stop],
@@ -174,21 +182,14 @@ def extend_nll(params, config: ModelConfig, tokens, cache, *,
 
   Args / Returns: as `stream_nll`.
   """
-  tokens_BN = _as_BN(tokens).astype(np.int32)
   policy = cache.policy
   if policy.eviction == "h2o" or policy.positions == "cache":
     raise ValueError(
         f"extend_nll needs eviction in none/window/sinks and positions="
         f"'original', got eviction={policy.eviction!r}, positions="
         f"{policy.positions!r}; use stream_nll")
-  if tokens_BN.shape[1] < 2:
-    raise ValueError(f"tokens: a stream needs N >= 2 tokens, got "
-                     f"{tokens_BN.shape[1]}")
-  if chunk < 1:
-    raise ValueError(f"chunk must be >= 1, got {chunk}")
-  _check_stream(params, config, tokens_BN, cache, "tokens")
-  n = tokens_BN.shape[1] - 1
-  inference._check_fits(cache, n, fresh=False, what="extend_nll")  # pylint: disable=protected-access
+  tokens_BN, n = _stream_inputs(params, config, tokens, cache, chunk,
+                                "extend_nll")
   out, logged = [], 0
   for start, stop in _chunks(n, chunk):
     nll, cache = _extend_nll(params, config, tokens_BN[:, start:stop],
