@@ -554,22 +554,6 @@ def _ignored(key: str, shape: tuple[int, ...], config: ModelConfig,
   return False
 
 
-def _shape_summary(config: ModelConfig) -> str:
-  names = ["vocab_size", "num_layers", "embed_dim", "num_heads", "mlp_dim"]
-  if config.attention == "mla":
-    names += ["kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
-              "qk_rope_head_dim", "v_head_dim"]
-  else:
-    names += ["num_kv_heads", "head_dim", "qkv_bias", "o_bias"]
-  s = ", ".join(f"{n}={getattr(config, n)}" for n in names)
-  if config.moe is not None:
-    m = config.moe
-    s += (f", experts={m.num_experts}, expert_dim={m.expert_dim}, "
-          f"shared={m.num_shared_experts}, dense_layers="
-          f"{m.first_dense_layers}")
-  return s
-
-
 def _validate(config: ModelConfig, hf: Mapping[str, Any], where, path: str,
               plan: Mapping[str, _Tensor]):
   """Raises one ValueError listing every missing, unexpected, misshapen or
@@ -603,7 +587,8 @@ def _validate(config: ModelConfig, hf: Mapping[str, Any], where, path: str,
   if errors:
     raise ValueError(
         f"checkpoint {path} does not match its config.json "
-        f"(model_type={hf['model_type']}: {_shape_summary(config)}):\n  " +
+        f"(model_type={hf['model_type']}: "
+        f"{model_lib._shape_fields(config)}):\n  " +  # pylint: disable=protected-access
         "\n  ".join(errors))
 
 

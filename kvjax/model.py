@@ -138,7 +138,13 @@ def _shape_fields(config: ModelConfig) -> str:
   else:
     names += ["num_kv_heads", "head_dim_override", "qkv_bias", "o_bias"]
   names.append("tie_embeddings")
-  return ", ".join(f"{n}={getattr(config, n)}" for n in names)
+  s = ", ".join(f"{n}={getattr(config, n)}" for n in names)
+  if config.moe is not None:
+    m = config.moe
+    s += (f", experts={m.num_experts}, expert_dim={m.expert_dim}, "
+          f"shared={m.num_shared_experts}, dense_layers="
+          f"{m.first_dense_layers}")
+  return s
 
 
 def check_params(params, config: ModelConfig) -> None:
