@@ -16,7 +16,7 @@ from flax import struct
 from kvjax import cache as cache_lib
 from kvjax import quant
 from kvjax.config import ModelConfig
-from kvjax.layers import apply_rope
+from kvjax.layers import apply_rope, merge_heads_out
 
 MODES = ("forward", "prefill", "extend", "decode")
 
@@ -204,8 +204,7 @@ def gqa_attention(p, x_BTD, step: Step, cache, layer, config: ModelConfig):
                             config.softmax_scale, config.attention_impl)
   if cache is not None:
     cache = accumulate_scores(cache, probs, step)
-  y_BTD = jnp.einsum("BTNH,NHD->BTD", out_BTKGH.reshape(B, T, K * G, H),
-                     p["o"])
+  y_BTD = merge_heads_out(out_BTKGH.reshape(B, T, K * G, H), p["o"])
   if "o_bias" in p:
     y_BTD += p["o_bias"][None, None]
   return y_BTD, cache

@@ -440,12 +440,12 @@ def filled_cache(config: ModelConfig, batch: int, capacity: int, length: int,
 def decode_loop(params, config, token_B, cache, steps: int):
   """`steps` greedy decode steps in one `lax.scan` (the loop `generate`
   runs). Returns (last token [B], new_cache)."""
-  from kvjax import model  # pylint: disable=g-import-not-at-top
+  from kvjax import model, sampling  # pylint: disable=g-import-not-at-top
 
   def body(carry, _):
     tok_B, cache = carry
     logits_BV, cache = model.decode_logits(params, config, tok_B, cache)
-    return (jnp.argmax(logits_BV, axis=-1).astype(jnp.int32), cache), None
+    return (sampling.argmax(logits_BV), cache), None
 
   (tok_B, cache), _ = jax.lax.scan(body, (token_B, cache), None, length=steps)
   return tok_B, cache

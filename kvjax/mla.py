@@ -24,7 +24,7 @@ from kvjax import quant
 from kvjax.attention import Step, accumulate_scores, _scatter_tokens
 from kvjax.cache import LatentCache
 from kvjax.config import ModelConfig
-from kvjax.layers import apply_rope, rms_norm
+from kvjax.layers import apply_rope, merge_heads_out, rms_norm
 
 MLA_NORM_EPS = 1e-6  # DeepSeek hard-codes the q_a / kv_a norm eps.
 
@@ -131,5 +131,5 @@ def mla_attention(p, x_BTD, step: Step, cache, layer, config: ModelConfig):
                                        path)
   if cache is not None:
     cache = accumulate_scores(cache, probs_BNTS[:, :, None], step)
-  y_BTD = jnp.einsum("BTNV,NVD->BTD", out_BTNV, p["o"])
+  y_BTD = merge_heads_out(out_BTNV, p["o"])
   return y_BTD, cache

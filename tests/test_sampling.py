@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import kvjax
-from kvjax.sampling import GREEDY, Sampler
+from kvjax.sampling import GREEDY, Sampler, argmax
 import model as model_presets  # configs/model.py (see conftest.py)
 
 # A fixed, easily checked distribution: sorted, distinct probabilities.
@@ -84,6 +84,30 @@ class SamplerValidationTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "rng"):
       kvjax.generate(params, config, np.ones((1, 3), np.int32), 2,
                      sampler=Sampler(temperature=1.0))
+
+
+class ArgmaxTest(parameterized.TestCase):
+  """`kvjax.sampling.argmax` (the decode loop's fast argmax) == jnp.argmax."""
+
+  @parameterized.parameters(1, 8)
+  def test_equals_jnp_argmax_with_ties_nan_and_inf(self, batch):
+    x = np.array(jax.random.normal(jax.random.key(batch), (batch, 3000)))
+    x[0, 7] = x[0, 900] = x[0].max() + 1  # tie: the first index wins
+    if batch > 1:
+      x[1, 11], x[1, 2000] = np.nan, np.nan  # the first NaN wins
+      x[2] = -np.inf
+      x[3, -1] = np.inf
+    got = np.asarray(jax.jit(argmax)(jnp.asarray(x)))
+    np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
+    self.assertEqual(got.dtype, np.int32)
+    self.assertEqual(got[0], 7)
+
+  def test_sampler_draws_equal_jax_random_categorical(self):
+    sampler = Sampler(temperature=0.8, top_k=40, top_p=0.9)
+    key = jax.random.key(5)
+    logits = jax.random.normal(jax.random.key(6), (8, 2000)) * 3
+    ref = jax.random.categorical(key, sampler.filter_logits(logits), axis=-1)
+    np.testing.assert_array_equal(sampler(logits, key), ref)
 
 
 class SamplerTest(chex.TestCase, parameterized.TestCase):
