@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import cache as cache_lib
+from kvjax import quant
 from kvjax.config import ModelConfig
 
 
@@ -423,6 +424,9 @@ def filled_cache(config: ModelConfig, batch: int, capacity: int, length: int,
     elif x.dtype == jnp.int8:
       out.append(jax.random.randint(k, x.shape, -127, 128, jnp.int32).astype(
           jnp.int8))
+    elif x.dtype == quant.BF16_BITS:  # bfloat16 caches store the bits
+      out.append(jax.lax.bitcast_convert_type(
+          jax.random.normal(k, x.shape, jnp.bfloat16), jnp.uint16))
     elif x.ndim == (3 if isinstance(cache, cache_lib.LatentCache) else 4):
       out.append(jax.random.uniform(k, x.shape, jnp.float32, 0.005, 0.02))
     else:

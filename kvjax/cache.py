@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from kvjax import quant
 from kvjax.config import ModelConfig
 
 EVICTIONS = ("none", "window", "sinks", "h2o")
@@ -177,7 +178,7 @@ Cache = Union[KVCache, LatentCache]
 
 
 def _storage_dtype(policy: CachePolicy):
-  return jnp.dtype(policy.kv_dtype)
+  return quant.storage_dtype(policy.kv_dtype)
 
 
 def init_cache(config: ModelConfig, batch: int, capacity: int,
