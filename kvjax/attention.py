@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from kvjax import cache as cache_lib
+from kvjax import kivi
 from kvjax import quant
 from kvjax.config import ModelConfig
 from kvjax.layers import apply_rope, merge_heads_out
@@ -114,25 +115,33 @@ def _scatter_tokens(arr, layer, slots_BT, new_BT, slot_axis):
                                            mode="drop")
 
 
-def write_kv(cache: cache_lib.KVCache, layer, slots_BT, k_BTKH, v_BTKH):
-  """Stores one layer's new keys and values at `slots` (quantized if asked)."""
+def write_kv(cache: cache_lib.KVCache, layer, slots_BT, k_BTKH, v_BTKH, *,
+             fresh: bool = False):
+  """Stores one layer's new keys and values at `slots` (quantized if asked;
+  `fresh`: a prefill, which takes the cache as empty)."""
   dtype = cache.k.dtype
-  k_q, k_s = quant.quantize(k_BTKH, dtype)
   v_q, v_s = quant.quantize(v_BTKH, dtype)
-  new = dict(k=_scatter_tokens(cache.k, layer, slots_BT, k_q, 3),
-             v=_scatter_tokens(cache.v, layer, slots_BT, v_q, 3))
+  new = dict(v=_scatter_tokens(cache.v, layer, slots_BT, v_q, 3))
+  if v_s is not None:
+    new["v_scale"] = _scatter_tokens(cache.v_scale, layer, slots_BT, v_s, 3)
+  if cache.policy.channel_keys:
+    new.update(kivi.write_keys(cache, layer, slots_BT, k_BTKH, fresh=fresh))
+    return cache.replace(**new)
+  k_q, k_s = quant.quantize(k_BTKH, dtype)
+  new["k"] = _scatter_tokens(cache.k, layer, slots_BT, k_q, 3)
   if k_s is not None:
     new["k_scale"] = _scatter_tokens(cache.k_scale, layer, slots_BT, k_s, 3)
-    new["v_scale"] = _scatter_tokens(cache.v_scale, layer, slots_BT, v_s, 3)
   return cache.replace(**new)
 
 
 def read_kv(cache: cache_lib.KVCache, layer, dtype):
   """One layer's keys and values, [B, K, S, H] each, in `dtype`."""
-  k_scale = None if cache.k_scale is None else cache.k_scale[layer]
   v_scale = None if cache.v_scale is None else cache.v_scale[layer]
-  return (quant.dequantize(cache.k[layer], k_scale, dtype),
-          quant.dequantize(cache.v[layer], v_scale, dtype))
+  v_BKSH = quant.dequantize(cache.v[layer], v_scale, dtype)
+  if cache.policy.channel_keys:
+    return kivi.read_keys(cache, layer, dtype), v_BKSH
+  k_scale = None if cache.k_scale is None else cache.k_scale[layer]
+  return quant.dequantize(cache.k[layer], k_scale, dtype), v_BKSH
 
 
 def accumulate_scores(cache, probs_BKGTS, step: Step):
@@ -197,7 +206,8 @@ def gqa_attention(p, x_BTD, step: Step, cache, layer, config: ModelConfig):
       k_BKSH = jnp.concatenate([k_old, k_BKSH], axis=2)
       v_BKSH = jnp.concatenate([v_old, v_BKSH], axis=2)
     if step.mode in ("prefill", "extend"):
-      cache = write_kv(cache, layer, step.slots, k_store_BTKH, v_BTKH)
+      cache = write_kv(cache, layer, step.slots, k_store_BTKH, v_BTKH,
+                       fresh=step.mode == "prefill")
 
   q_BTKGH = q_BTNH.reshape(B, T, K, G, H)
   out_BTKGH, probs = attend(q_BTKGH, k_BKSH, v_BKSH, step.mask,

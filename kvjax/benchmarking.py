@@ -427,7 +427,8 @@ def filled_cache(config: ModelConfig, batch: int, capacity: int, length: int,
     elif x.dtype == quant.BF16_BITS:  # bfloat16 caches store the bits
       out.append(jax.lax.bitcast_convert_type(
           jax.random.normal(k, x.shape, jnp.bfloat16), jnp.uint16))
-    elif x.ndim == (3 if isinstance(cache, cache_lib.LatentCache) else 4):
+    elif x.ndim == (3 if isinstance(cache, cache_lib.LatentCache) else 4) or (
+        x is getattr(cache, "k_scale", None)):  # scales (KIVI: 5-D)
       out.append(jax.random.uniform(k, x.shape, jnp.float32, 0.005, 0.02))
     else:
       out.append(jax.random.normal(k, x.shape, jnp.float32).astype(x.dtype))

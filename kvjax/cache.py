@@ -35,7 +35,7 @@ from kvjax.config import ModelConfig
 EVICTIONS = ("none", "window", "sinks", "h2o")
 POSITION_MODES = ("original", "cache")
 KV_DTYPES = ("float32", "bfloat16", "float16", "int8")
-KEY_QUANT = ("token",)
+KEY_QUANT = ("token", "channel")
 EMPTY = -1  # position stored in a slot that holds no token
 
 
@@ -66,6 +66,19 @@ class CachePolicy:
               S = 1024 (WORKSPACE.md). With window eviction both modes are
               the same model (RoPE is relative).
   kv_dtype: storage dtype; int8 stores symmetric per-token-per-head scales.
+  key_quant (int8 only):
+    token    keys quantized like values: one scale per token and head.
+    channel  KIVI (Liu et al. 2024): keys quantized per channel over groups
+             of `key_group` consecutive tokens (key outliers sit in fixed
+             channels, so a per-channel scale wastes fewer levels). The
+             newest, incomplete group is also kept in float32 (the
+             residual) and attention reads it from there; each decode step
+             re-quantizes that one group, so a group's final int8 values
+             come from its `key_group` full-precision tokens. GQA-family
+             keys only (MLA's latent is keys and values at once), eviction
+             'none' only (window / sinks / h2o overwrite single slots
+             inside a quantized group), capacity a multiple of key_group.
+  key_group: tokens per per-channel key group (key_quant='channel').
   """
 
   eviction: str = "none"
@@ -74,6 +87,7 @@ class CachePolicy:
   positions: str = "original"
   kv_dtype: str = "float32"
   key_quant: str = "token"
+  key_group: int = 32
 
   def __post_init__(self):
     if self.eviction not in EVICTIONS:
@@ -87,6 +101,19 @@ class CachePolicy:
     if self.key_quant not in KEY_QUANT:
       raise ValueError(
           f"key_quant={self.key_quant!r} is not one of {KEY_QUANT}")
+    if self.key_quant == "channel":
+      if self.kv_dtype != "int8":
+        raise ValueError(f"key_quant='channel' quantizes keys to int8; it "
+                         f"needs kv_dtype='int8', got {self.kv_dtype!r}")
+      if self.eviction != "none":
+        raise ValueError(
+            f"key_quant='channel' needs eviction='none', got "
+            f"{self.eviction!r}: evicting single slots would leave a "
+            "quantized key group with a scale computed from tokens that "
+            "are gone")
+      if not isinstance(self.key_group, int) or self.key_group < 1:
+        raise ValueError(f"key_group must be an int >= 1, got "
+                         f"{self.key_group!r}")
     if self.num_sinks < 0:
       raise ValueError(f"num_sinks must be >= 0, got {self.num_sinks}")
     if self.num_sinks and self.eviction != "sinks":
@@ -105,6 +132,11 @@ class CachePolicy:
     return self.kv_dtype == "int8"
 
   @property
+  def channel_keys(self) -> bool:
+    """KIVI per-channel key groups (see `key_quant`)."""
+    return self.key_quant == "channel"
+
+  @property
   def bounded(self) -> bool:
     """True when old tokens are evicted instead of overflowing."""
     return self.eviction != "none"
@@ -115,6 +147,10 @@ class CachePolicy:
     if self.eviction == "sinks" and capacity <= self.num_sinks:
       raise ValueError(
           f"capacity={capacity} must exceed num_sinks={self.num_sinks}")
+    if self.channel_keys and capacity % self.key_group:
+      raise ValueError(
+          f"capacity={capacity} must be a multiple of key_group="
+          f"{self.key_group} (key_quant='channel' quantizes whole groups)")
     if self.eviction == "h2o" and capacity <= self.recent:
       raise ValueError(
           f"capacity={capacity} must exceed recent={self.recent} for h2o")
@@ -125,7 +161,10 @@ class KVCache:
   """Per-head keys and values: k, v [L, B, K, S, H].
 
   k_scale, v_scale: int8 scales, [L, B, K, S] per token and head; None for
-  float caches.
+  float caches. With key_quant='channel' (KIVI) k_scale is per channel and
+  group instead, [L, B, K, S / key_group, H], and
+  k_resid: [L, B, K, key_group, H] float32, the newest (incomplete) key
+  group of each sequence in full precision (else None).
   scores: [B, S] accumulated attention (h2o only, else None).
   """
 
@@ -136,6 +175,7 @@ class KVCache:
   k_scale: jax.Array | None = None
   v_scale: jax.Array | None = None
   scores: jax.Array | None = None
+  k_resid: jax.Array | None = None
   policy: CachePolicy = struct.field(pytree_node=False,
                                      default=CachePolicy())
 
@@ -208,6 +248,10 @@ def init_cache(config: ModelConfig, batch: int, capacity: int,
   length = jnp.zeros((B,), jnp.int32)
   scores = jnp.zeros((B, S), jnp.float32) if policy.eviction == "h2o" else None
   q = policy.quantized
+  if policy.channel_keys and config.attention == "mla":
+    raise ValueError(
+        "key_quant='channel' (KIVI) applies to GQA-family keys; MLA's latent "
+        "is keys and values at once: use key_quant='token' for MLA")
   if config.attention == "mla":
     C, R = config.kv_lora_rank, config.qk_rope_head_dim
     return LatentCache(
@@ -219,30 +263,49 @@ def init_cache(config: ModelConfig, batch: int, capacity: int,
         scores=scores, policy=policy)
   K, H = config.num_kv_heads, config.head_dim
   k_scale = jnp.zeros((L, B, K, S), jnp.float32) if q else None
+  k_resid = None
+  if policy.channel_keys:
+    g = policy.key_group
+    k_scale = jnp.zeros((L, B, K, S // g, H), jnp.float32)
+    k_resid = jnp.zeros((L, B, K, g, H), jnp.float32)
   return KVCache(
       k=jnp.zeros((L, B, K, S, H), store),
       v=jnp.zeros((L, B, K, S, H), store),
       positions=positions, length=length,
       k_scale=k_scale,
       v_scale=jnp.zeros((L, B, K, S), jnp.float32) if q else None,
-      scores=scores, policy=policy)
+      scores=scores, k_resid=k_resid, policy=policy)
 
 
 # ---- memory accounting ------------------------------------------------------
-def kv_bytes_per_token(config: ModelConfig, dtype="float32") -> int:
+def kv_bytes_per_token(config: ModelConfig, dtype="float32", *,
+                       key_group: int = 0) -> float:
   """Cache bytes one token of one sequence occupies, over all layers.
 
   GQA: L × K × 2 × H × bytes; MLA: L × (C + R) × bytes. For int8 the
-  per-token float32 scales are included.
+  float32 scales are included: per token (and head), or with `key_group`
+  > 0 (KIVI per-channel keys) the value scales per token and the key scales
+  per channel and group, 4 × K × H / key_group bytes per token (a float
+  when that does not divide). KIVI's float32 residual group is a fixed
+  L × B × K × key_group × H × 4 bytes, not per token (`cache_bytes`).
   """
   name = jnp.dtype(dtype).name if not isinstance(dtype, str) else dtype
   if name not in KV_DTYPES:
     raise ValueError(f"kv dtype {name!r} is not one of {KV_DTYPES}")
   itemsize = jnp.dtype(name).itemsize
   per_layer = config.kv_elements_per_token_per_layer * itemsize
+  if key_group and (name != "int8" or config.attention == "mla"):
+    raise ValueError("key_group (KIVI per-channel keys) needs an int8 "
+                     "GQA-family cache")
   if name == "int8":
-    scales = 2 if config.attention == "mla" else 2 * config.num_kv_heads
-    per_layer += 4 * scales
+    if key_group:
+      K, H = config.num_kv_heads, config.head_dim
+      key_scales = 4 * K * H / key_group
+      per_layer += 4 * K + (int(key_scales) if key_scales.is_integer()
+                            else key_scales)
+    else:
+      scales = 2 if config.attention == "mla" else 2 * config.num_kv_heads
+      per_layer += 4 * scales
   return config.num_layers * per_layer
 
 
@@ -264,6 +327,7 @@ def cache_bytes(cache: Cache) -> dict[str, int]:
       B × S).
     used: the part of `kv` that holds tokens now (filled slots).
     per_token: kv / (B × S).
+    residual: KIVI's float32 newest key group (0 without it), in `total`.
   """
   total = sum(int(np.prod(x.shape)) * x.dtype.itemsize
               for x in jax.tree_util.tree_leaves(cache))
@@ -271,8 +335,10 @@ def cache_bytes(cache: Cache) -> dict[str, int]:
            for x in _storage_leaves(cache))
   slots = cache.batch * cache.capacity
   filled = int(jnp.sum(cache.positions >= 0))
+  resid = getattr(cache, "k_resid", None)
   return dict(total=total, kv=kv, used=kv * filled // slots,
-              per_token=kv // slots)
+              per_token=kv // slots,
+              residual=0 if resid is None else resid.size * 4)
 
 
 # ---- slot arithmetic (the one place that maps stream positions to slots) ---

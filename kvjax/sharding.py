@@ -126,6 +126,11 @@ def cache_axes(cache) -> Any:
     payload = ("layers", "batch", "kv_heads", "cache_seq", "head_dim")
     scale = ("layers", "batch", "kv_heads", "cache_seq")
     fields = dict(k=payload, v=payload, k_scale=scale, v_scale=scale)
+    if cache.policy.channel_keys:
+      # KIVI: per-channel key scales per group, the float newest group.
+      fields.update(
+          k_scale=("layers", "batch", "kv_heads", None, "head_dim"),
+          k_resid=("layers", "batch", "kv_heads", None, "head_dim"))
   else:
     raise ValueError(f"not a kvjax cache: {type(cache).__name__}")
   fields.update(positions=("batch", "cache_seq"), length=("batch",),

@@ -176,7 +176,7 @@ class BadInputTest(parameterized.TestCase):
 
   def test_unsupported_key_quant_names_the_field(self):
     with self.assertRaisesRegex(ValueError, "key_quant"):
-      kvjax.CachePolicy(kv_dtype="int8", key_quant="group")
+      kvjax.CachePolicy(kv_dtype="int8", key_quant="block")
 
 
 if __name__ == "__main__":

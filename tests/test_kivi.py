@@ -1,0 +1,202 @@
+"""KIVI per-channel int8 keys (`CachePolicy(key_quant='channel')`).
+
+Invariant (kvjax/kivi.py): every complete key group is stored as
+`quant.quantize_groups` of its full-precision keys, the newest group is read
+exactly from the float32 residual. Layer 0's keys depend on the tokens only
+(not on earlier attention), so the float32 cache of the same tokens gives the
+exact full-precision keys to check against, whichever path wrote them:
+prefill, decode steps, chunked prefill with chunks that straddle groups,
+left-padded ragged batches. Also: logits stay close to float32, the bytes
+formula equals the real arrays, bad policies raise naming the field.
+"""
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import kvjax
+from kvjax import kivi
+from kvjax import model
+from kvjax import quant
+from kvjax import sharding
+from tiny_models import tiny, tiny_params
+
+GROUP, S, B = 4, 32, 2
+KIVI = kvjax.CachePolicy(kv_dtype="int8", key_quant="channel",
+                         key_group=GROUP)
+
+
+def _tokens(config, n, batch=B, seed=1):
+  return jax.random.randint(jax.random.key(seed), (batch, n), 0,
+                            config.vocab_size)
+
+
+def prefill_then_decode(variant, policy, tokens, n_prompt, mask=None):
+  """Prefill n_prompt tokens, then teacher-forced decode of the rest.
+  Returns (logits [B, n_steps + 1, V], cache)."""
+  config, params = tiny(variant), tiny_params(variant)
+  batch = tokens.shape[0]
+  cache = kvjax.init_cache(config, batch, S, policy=policy)
+  mask = jnp.ones((batch, n_prompt), bool) if mask is None else mask
+  step = jax.jit(model.decode_logits, static_argnums=1)
+  logits, cache = model.prefill_logits(params, config, tokens[:, :n_prompt],
+                                       mask, cache, False)
+  out = [logits[:, 0]]
+  for t in range(n_prompt, tokens.shape[1]):
+    logits, cache = step(params, config, tokens[:, t], cache)
+    out.append(logits)
+  return jnp.stack(out, 1), cache
+
+
+def assert_invariant(test, cache, ref_k_BKSH, lengths):
+  """Layer 0 of a KIVI cache against the float32 keys of the same tokens
+  (slots [0, n) filled for a sequence of n tokens)."""
+  q, scale = quant.quantize_groups(ref_k_BKSH, GROUP, -2)
+  got = kivi.read_keys(cache, 0, jnp.float32)
+  for b, n in enumerate(lengths):
+    newest = (n - 1) // GROUP
+    done = slice(0, newest * GROUP)
+    # Complete groups: the int8 values and scales of a one-shot quantization.
+    np.testing.assert_array_equal(cache.k[0, b, :, done], q[b, :, done])
+    np.testing.assert_allclose(cache.k_scale[0, b, :, :newest],
+                               scale[b, :, :newest], rtol=1e-6)
+    # The newest group is read exactly from the residual ...
+    new = slice(newest * GROUP, (newest + 1) * GROUP)
+    np.testing.assert_allclose(got[b, :, new], ref_k_BKSH[b, :, new],
+                               rtol=1e-6, atol=1e-7)
+    # ... and its int8 copy is already the group's quantization so far.
+    np.testing.assert_array_equal(cache.k[0, b, :, new], q[b, :, new])
+    # Empty slots hold zeros.
+    test.assertEqual(float(jnp.abs(cache.k[0, b, :, n:]).max(initial=0)), 0)
+
+
+class QuantizeGroupsTest(parameterized.TestCase):
+
+  def test_round_trip_per_channel(self):
+    # Channels of different magnitudes: per-channel scales matter.
+    x = jax.random.normal(jax.random.key(0), (2, 3, 8, 5)) * jnp.arange(
+        1.0, 6.0)[None, None, None]
+    q, s = quant.quantize_groups(x, 4, -2)
+    chex.assert_shape(s, (2, 3, 2, 5))
+    self.assertEqual(q.dtype, jnp.int8)
+    want = jnp.max(jnp.abs(x.reshape(2, 3, 2, 4, 5)), axis=3) / 127.0
+    np.testing.assert_allclose(s, want, rtol=1e-6)
+    back = quant.dequantize_groups(q, s, 4, -2, jnp.float32)
+    err = jnp.abs(back - x).reshape(2, 3, 2, 4, 5)
+    self.assertTrue(bool(jnp.all(err <= s[:, :, :, None] / 2 + 1e-6)))
+    # Re-quantizing the dequantized values gives back the same int8.
+    q2, s2 = quant.quantize_groups(back, 4, -2)
+    np.testing.assert_array_equal(q2, q)
+    np.testing.assert_allclose(s2, s, rtol=1e-6)
+
+  def test_zero_group_is_zero_not_nan(self):
+    q, s = quant.quantize_groups(jnp.zeros((4, 3)), 2, -2)
+    np.testing.assert_array_equal(s, 0)
+    np.testing.assert_array_equal(quant.dequantize_groups(
+        q, s, 2, -2, jnp.float32), 0)
+
+  def test_length_not_a_multiple_raises(self):
+    with self.assertRaisesRegex(ValueError, "multiple of the quantization"):
+      quant.quantize_groups(jnp.zeros((6, 3)), 4, -2)
+
+
+class KiviCacheTest(chex.TestCase, parameterized.TestCase):
+
+  @parameterized.product(variant=("gqa", "mha", "mqa"), n_prompt=(3, 4, 9))
+  def test_decode_keeps_the_invariant(self, variant, n_prompt):
+    config = tiny(variant)
+    n = 19
+    tokens = _tokens(config, n)
+    ref_logits, ref = prefill_then_decode(variant, kvjax.CachePolicy(),
+                                          tokens, n_prompt)
+    got_logits, cache = prefill_then_decode(variant, KIVI, tokens, n_prompt)
+    assert_invariant(self, cache, ref.k[0], [n] * B)
+    chex.assert_tree_all_finite(got_logits)
+    # Keys within int8 per-channel rounding: logits stay close to float32.
+    self.assertLess(float(jnp.abs(got_logits - ref_logits).max()), 0.15)
+
+  @parameterized.parameters(1, 3, 5)
+  def test_chunked_prefill_keeps_the_invariant(self, chunk):
+    config, params = tiny("gqa"), tiny_params("gqa")
+    n = 13  # chunks of 3 and 5 straddle the groups of 4
+    tokens = _tokens(config, n)
+    _, ref = kvjax.prefill(params, config, tokens,
+                           kvjax.init_cache(config, B, S))
+    _, cache = kvjax.prefill_chunked(
+        params, config, tokens, kvjax.init_cache(config, B, S, policy=KIVI),
+        chunk)
+    assert_invariant(self, cache, ref.k[0], [n] * B)
+
+  def test_ragged_left_padded_batch(self):
+    config = tiny("gqa")
+    tokens = _tokens(config, 14, batch=3)
+    mask = np.ones((3, 6), bool)
+    mask[0, :2] = False  # 4 real prompt tokens
+    mask[1, :5] = False  # 1
+    _, ref = prefill_then_decode("gqa", kvjax.CachePolicy(), tokens, 6,
+                                 jnp.asarray(mask))
+    _, cache = prefill_then_decode("gqa", KIVI, tokens, 6, jnp.asarray(mask))
+    lengths = mask.sum(1) + 8
+    np.testing.assert_array_equal(cache.length, lengths)
+    assert_invariant(self, cache, ref.k[0], lengths)
+
+  def test_generate_runs_and_reports_bytes(self):
+    config, params = tiny("gqa"), tiny_params("gqa")
+    tokens = _tokens(config, 5)
+    toks, _, cache = kvjax.generate(params, config, tokens, 11, policy=KIVI,
+                                    capacity=S, return_cache=True)
+    chex.assert_shape(toks, (B, 11))
+    L, K, H = config.num_layers, config.num_kv_heads, config.head_dim
+    chex.assert_shape(cache.k_scale, (L, B, K, S // GROUP, H))
+    chex.assert_shape(cache.k_resid, (L, B, K, GROUP, H))
+    got = kvjax.cache_bytes(cache)
+    per_token = kvjax.kv_bytes_per_token(config, "int8", key_group=GROUP)
+    real_kv = sum(x.nbytes for x in (cache.k, cache.v, cache.k_scale,
+                                     cache.v_scale))
+    self.assertEqual(per_token * B * S, real_kv)
+    self.assertEqual(got["kv"], real_kv)
+    self.assertEqual(got["residual"], cache.k_resid.nbytes)
+    # Key scales per channel and group: 4·K·H / key_group bytes per token
+    # (per token and head they would be 4·K).
+    self.assertEqual(per_token,
+                     L * (2 * K * H + 4 * K + 4 * K * H // GROUP))
+
+  def test_sharding_axes_cover_the_new_fields(self):
+    cache = kvjax.init_cache(tiny("gqa"), B, S, policy=KIVI)
+    axes = sharding.cache_axes(cache)
+    self.assertEqual(len(axes.k_resid), cache.k_resid.ndim)
+    self.assertEqual(len(axes.k_scale), cache.k_scale.ndim)
+
+
+class KiviBadInputTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      ("float_cache", dict(kv_dtype="float32", key_quant="channel"),
+       "needs kv_dtype='int8'"),
+      ("eviction", dict(kv_dtype="int8", key_quant="channel",
+                        eviction="window"), "needs eviction='none'"),
+      ("group", dict(kv_dtype="int8", key_quant="channel", key_group=0),
+       "key_group must be"),
+  )
+  def test_bad_policy(self, kwargs, message):
+    with self.assertRaisesRegex(ValueError, message):
+      kvjax.CachePolicy(**kwargs)
+
+  def test_capacity_not_a_multiple_of_the_group(self):
+    with self.assertRaisesRegex(ValueError, "multiple of key_group=4"):
+      kvjax.init_cache(tiny("gqa"), B, 30, policy=KIVI)
+
+  def test_mla_is_refused(self):
+    with self.assertRaisesRegex(ValueError, "key_quant='token' for MLA"):
+      kvjax.init_cache(tiny("mla"), B, S, policy=KIVI)
+
+  def test_bytes_formula_refuses_non_int8(self):
+    with self.assertRaisesRegex(ValueError, "key_group"):
+      kvjax.kv_bytes_per_token(tiny("gqa"), "float32", key_group=4)
+
+
+if __name__ == "__main__":
+  absltest.main()
