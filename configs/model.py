@@ -63,7 +63,8 @@ def get_config(arg: str = "gqa-medium") -> ml_collections.ConfigDict:
   cfg.cache = ml_collections.ConfigDict(dict(
       capacity=0,  # 0: a power of two covering prompt + generation
       eviction="none", num_sinks=0, recent=0, positions="original",
-      kv_dtype="float32"))
+      # key_quant 'channel': KIVI per-channel int8 keys (kv_dtype int8).
+      kv_dtype="float32", key_quant="token", key_group=32))
   cfg.generate = ml_collections.ConfigDict(dict(
       # temperature 0 is greedy; the shipped byte-level model reads better
       # sampled (greedy decoding of a 2 bits/byte model loops).

@@ -102,7 +102,9 @@ _LAYERS = flags.DEFINE_enum(
     "depth) or 'unrolled' (kvjax.model.unstack_layers: weights read in place,"
     " faster on CPU; compile time grows with depth).")
 _SWEEP_DTYPES = flags.DEFINE_list("sweep_dtypes", list(KV_DTYPES),
-                                  "kv dtypes of the sweep.")
+                                  "Cache kinds of the sweep: kv dtypes "
+                                  "(float32, bfloat16, float16, int8) or "
+                                  "int8-kivi (per-channel int8 keys).")
 
 
 def _ints(values):
@@ -365,8 +367,9 @@ def _perplexity(kv_dtypes):
   rows = max(1, _PPL_TOKENS.value // W)
   stream = data.documents_to_stream(docs)[:rows * W].reshape(rows, W)
   out = {}
-  for dt in kv_dtypes:
-    cache = kvjax.init_cache(loaded.config, rows, W, dtype=dt)
+  for dt in bm.kinds_for(loaded.config, kv_dtypes):
+    cache = kvjax.init_cache(loaded.config, rows, W,
+                             policy=bm.cache_policy(dt))
     nll, _ = streaming.stream_nll(loaded.params, loaded.config, stream, cache)
     out[dt] = streaming.perplexity(nll)
     logging.info("perplexity (%s, %d rows x %d tokens) with a %s cache: "
@@ -377,7 +380,6 @@ def _perplexity(kv_dtypes):
 
 def run_quant():
   from kvjax import streaming  # pylint: disable=g-import-not-at-top
-  dtypes = ("float32", "bfloat16", "float16", "int8")
   out = dict(size=_size(), variants={},
              long_context=dict(batch=_QUANT_BATCH.value,
                                context=_QUANT_CONTEXT.value))
@@ -385,24 +387,29 @@ def run_quant():
     params = _params(config)
     tokens = _prompt(config, 2, 64)
     logits = {}
+    dtypes = bm.kinds_for(config)
     for dt in dtypes:
-      cache = kvjax.init_cache(config, 2, 64, dtype=dt)
+      cache = kvjax.init_cache(config, 2, 64, policy=bm.cache_policy(dt))
       _, cache = kvjax.prefill(params, config, tokens[:, :32], cache)
       logits[dt], _ = streaming.decode_tokens(params, config, tokens[:, 32:],
                                               cache)
     rows = {}
     for dt in dtypes:
-      real = kvjax.cache_bytes(kvjax.init_cache(config, 1, 1, dtype=dt))["kv"]
+      policy = bm.cache_policy(dt)
+      group = policy.key_group if policy.channel_keys else 0
+      real = kvjax.cache_bytes(kvjax.init_cache(
+          config, 1, max(group, 1), policy=policy))["kv"] / max(group, 1)
       speed = bm.decode_step_seconds(
           params, config, _QUANT_BATCH.value, _QUANT_CONTEXT.value,
           steps=4, repeats=3, kv_dtype=dt)
       rows[dt] = dict(
-          bytes_per_token=kvjax.kv_bytes_per_token(config, dt),
+          bytes_per_token=kvjax.kv_bytes_per_token(
+              config, policy.kv_dtype, key_group=group),
           real_nbytes_per_token=real,
           max_logit_error=float(jnp.max(jnp.abs(logits[dt] -
                                                 logits["float32"]))),
           long_context=speed)
-      logging.info("%-13s %-8s %6d B/token (real %6d), max |dlogit| %.2e, "
+      logging.info("%-13s %-9s %6g B/token (real %6g), max |dlogit| %.2e, "
                    "b%d@%d: %.1f ms/step %.0f tok/s", label, dt,
                    rows[dt]["bytes_per_token"], real,
                    rows[dt]["max_logit_error"], _QUANT_BATCH.value,
@@ -410,7 +417,7 @@ def run_quant():
                    speed["tokens_per_s"])
     out["variants"][label] = rows
     del params
-  out["perplexity"] = _perplexity(dtypes)
+  out["perplexity"] = _perplexity(bm.CACHE_KINDS)
   _save("quant", out)
 
 
@@ -422,7 +429,7 @@ def run_sweep():
              if not label.endswith("naive")]
   for label, config in configs:
     params = _params(config)
-    for dt in _SWEEP_DTYPES.value:
+    for dt in bm.kinds_for(config, _SWEEP_DTYPES.value):
       for B in batches:
         for ctx in contexts:
           s = bm.decode_step_seconds(params, config, B, ctx, steps=4,
@@ -439,11 +446,13 @@ def run_sweep():
                            squeeze=False)
   for ax, B in zip(axes[0], batches):
     for label, _ in configs:
-      for dt, style in zip(_SWEEP_DTYPES.value, ("-", "--", ":", "-.")):
+      for dt, style in zip(_SWEEP_DTYPES.value,
+                           ("-", "--", ":", "-.", (0, (5, 1)))):
+        style = dict(linestyle=style, marker="o")
         rows = [r for r in out["rows"] if r["variant"] == label and
                 r["kv_dtype"] == dt and r["batch"] == B]
         ax.plot([r["context"] for r in rows],
-                [1e3 * r["step_s"] for r in rows], "o" + style,
+                [1e3 * r["step_s"] for r in rows], **style,
                 label=f"{label} {dt}", markersize=3)
     ax.set(xscale="log", yscale="log", xlabel="context (cached tokens)",
            ylabel="ms per decode step", title=f"{_size()}, batch {B}")

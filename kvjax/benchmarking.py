@@ -250,8 +250,36 @@ def decode_bytes_per_step(params, config: ModelConfig, batch: int,
     raise ValueError(f"batch and context must be >= 1, got {batch}, "
                      f"{context}")
   w = decode_weight_bytes(params, config)
-  c = batch * context * cache_lib.kv_bytes_per_token(config, kv_dtype)
+  policy = cache_policy(kv_dtype)
+  key_group = policy.key_group if policy.channel_keys else 0
+  c = int(batch * context * cache_lib.kv_bytes_per_token(
+      config, policy.kv_dtype, key_group=key_group))
+  if key_group:  # KIVI also reads its float32 newest key group
+    c += (config.num_layers * batch * config.num_kv_heads * key_group *
+          config.head_dim * 4)
   return dict(weights=w, cache=c, total=w + c)
+
+
+# ---- cache kinds compared by the benchmarks ---------------------------------
+KIVI_GROUP = 32  # KIVI's group size for per-channel keys
+CACHE_KINDS = ("float32", "bfloat16", "float16", "int8", "int8-kivi")
+
+
+def cache_policy(kind: str) -> cache_lib.CachePolicy:
+  """The CachePolicy of a benchmark cache kind: a kv dtype, or 'int8-kivi'
+  (int8 values per token, keys per channel in groups of KIVI_GROUP)."""
+  if kind == "int8-kivi":
+    return cache_lib.CachePolicy(kv_dtype="int8", key_quant="channel",
+                                 key_group=KIVI_GROUP)
+  if kind not in cache_lib.KV_DTYPES:
+    raise ValueError(f"cache kind {kind!r} is not one of {CACHE_KINDS}")
+  return cache_lib.CachePolicy(kv_dtype=kind)
+
+
+def kinds_for(config: ModelConfig, kinds=CACHE_KINDS) -> tuple[str, ...]:
+  """`kinds` without those the variant cannot use (KIVI keys: not MLA)."""
+  return tuple(k for k in kinds
+               if not (k == "int8-kivi" and config.attention == "mla"))
 
 
 def _matmul_params_per_layer(config: ModelConfig) -> int:
@@ -473,10 +501,12 @@ def decode_step_seconds(params, config: ModelConfig, batch: int,
     raise ValueError(f"position must be >= 0 and steps >= 1, got {position},"
                      f" {steps}")
   need = position + steps * (warmup + repeats)
+  policy = cache_policy(kv_dtype)
+  if policy.channel_keys and not capacity:  # whole key groups
+    need = -(-need // policy.key_group) * policy.key_group
   capacity = capacity or need
   if capacity < need:
     raise ValueError(f"capacity={capacity} < {need} slots the run needs")
-  policy = cache_lib.CachePolicy(kv_dtype=kv_dtype)
   state = [filled_cache(config, batch, capacity, position, policy)]
   tok = jnp.zeros((batch,), jnp.int32)
 

@@ -96,18 +96,22 @@ class ProbeTest(parameterized.TestCase):
 
 class ModelsTest(parameterized.TestCase):
 
-  @parameterized.product(variant=VARIANTS,
-                         kv_dtype=("float32", "bfloat16", "int8"))
+  @parameterized.product(variant=VARIANTS, kv_dtype=bm.CACHE_KINDS)
   def test_decode_bytes_match_real_arrays(self, variant, kv_dtype):
     config = tiny(variant)
     params = jax.eval_shape(lambda: kvjax.init_params(config,
                                                       jax.random.key(0)))
-    B, ctx = 3, 24
+    B, ctx = 3, 64
+    policy = bm.cache_policy(kv_dtype)
+    if kv_dtype not in bm.kinds_for(config):  # KIVI keys on MLA
+      with self.assertRaisesRegex(ValueError, "MLA"):
+        kvjax.init_cache(config, B, ctx, policy=policy)
+      return
     cache = jax.eval_shape(
-        lambda: kvjax.init_cache(config, B, ctx, dtype=kv_dtype))
+        lambda: kvjax.init_cache(config, B, ctx, policy=policy))
     leaves = ([cache.c_kv, cache.k_rope, cache.c_scale, cache.r_scale]
               if config.attention == "mla" else
-              [cache.k, cache.v, cache.k_scale, cache.v_scale])
+              [cache.k, cache.v, cache.k_scale, cache.v_scale, cache.k_resid])
     cache_nbytes = sum(x.size * x.dtype.itemsize for x in leaves
                        if x is not None)
     out = bm.decode_bytes_per_step(params, config, B, ctx, kv_dtype)
