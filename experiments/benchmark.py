@@ -487,8 +487,7 @@ def main(argv):
     elif mode == "sweep":
       run_sweep()
     elif mode == "ppl":
-      _save("ppl", dict(perplexity=_perplexity(
-          ("float32", "bfloat16", "float16", "int8"))))
+      _save("ppl", dict(perplexity=_perplexity(bm.CACHE_KINDS)))
 
 
 if __name__ == "__main__":
