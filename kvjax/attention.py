@@ -41,6 +41,11 @@ class Step:
   cos_k, sin_k: [B, S, R/2] rotation applied to cached keys at attention time
     (`cache` position mode only), else None.
   slots: [B, T] cache slot each new token is written to (S = not written).
+  attend (static, decode only): attend over the first `attend` slots only
+    (0: all S). With eviction 'none' the filled slots are a prefix, so a
+    decode loop that knows an upper bound of the lengths reads (and
+    attends) that prefix instead of the whole capacity; `mask` is then
+    [B, 1, attend].
   """
 
   q_pos: jax.Array
@@ -52,6 +57,7 @@ class Step:
   sin_k: jax.Array | None = None
   mode: str = struct.field(pytree_node=False, default="forward")
   want_scores: bool = struct.field(pytree_node=False, default=False)
+  attend: int = struct.field(pytree_node=False, default=0)
 
 
 def attend(q_BTKGH, k_BKSH, v_BKSH, mask_BTS, scale: float,
@@ -134,14 +140,16 @@ def write_kv(cache: cache_lib.KVCache, layer, slots_BT, k_BTKH, v_BTKH, *,
   return cache.replace(**new)
 
 
-def read_kv(cache: cache_lib.KVCache, layer, dtype):
-  """One layer's keys and values, [B, K, S, H] each, in `dtype`."""
-  v_scale = None if cache.v_scale is None else cache.v_scale[layer]
-  v_BKSH = quant.dequantize(cache.v[layer], v_scale, dtype)
+def read_kv(cache: cache_lib.KVCache, layer, dtype, prefix: int = 0):
+  """One layer's keys and values, [B, K, S, H] each, in `dtype` (only the
+  first `prefix` slots when prefix > 0)."""
+  P = prefix or cache.capacity
+  v_scale = None if cache.v_scale is None else cache.v_scale[layer, :, :, :P]
+  v_BKSH = quant.dequantize(cache.v[layer, :, :, :P], v_scale, dtype)
   if cache.policy.channel_keys:
-    return kivi.read_keys(cache, layer, dtype), v_BKSH
-  k_scale = None if cache.k_scale is None else cache.k_scale[layer]
-  return quant.dequantize(cache.k[layer], k_scale, dtype), v_BKSH
+    return kivi.read_keys(cache, layer, dtype, P), v_BKSH
+  k_scale = None if cache.k_scale is None else cache.k_scale[layer, :, :, :P]
+  return quant.dequantize(cache.k[layer, :, :, :P], k_scale, dtype), v_BKSH
 
 
 def accumulate_scores(cache, probs_BKGTS, step: Step):
@@ -194,7 +202,7 @@ def gqa_attention(p, x_BTD, step: Step, cache, layer, config: ModelConfig):
 
   if step.mode == "decode":
     cache = write_kv(cache, layer, step.slots, k_store_BTKH, v_BTKH)
-    k_BKSH, v_BKSH = read_kv(cache, layer, dtype)
+    k_BKSH, v_BKSH = read_kv(cache, layer, dtype, step.attend)
     if pre_rope:
       k_BKSH = apply_rope(k_BKSH, step.cos_k[:, None], step.sin_k[:, None],
                           config.rope_layout)

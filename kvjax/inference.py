@@ -315,6 +315,37 @@ def bucket_length(n: int, minimum: int = 16) -> int:
   return max(minimum, 1 << math.ceil(math.log2(max(n, 1))))
 
 
+ATTEND_MIN = 128  # smallest attention prefix generate's decode loop uses
+
+
+def attention_schedule(prompt_len: int, decode_steps: int, capacity: int,
+                       multiple: int = 1, minimum: int = ATTEND_MIN
+                       ) -> tuple[tuple[int, int], ...]:
+  """Segments (n_steps, attend) of a decode loop over a cache whose filled
+  slots are a prefix (eviction 'none'): decode step j (0-based) of a prompt
+  of at most `prompt_len` tokens fills slots [0, prompt_len + j], so it
+  attends over the smallest power of two (at least `minimum`, rounded up
+  to `multiple`) that covers them; 0 stands for the whole capacity.
+
+  Why: attention and the cache read cost the attended slots, not the filled
+  ones; a cache sized for the longest generation would otherwise be read
+  whole from the first step. A power-of-two schedule wastes at most 2x and
+  compiles one loop body per segment (log2 of capacity / prompt).
+  """
+  out, j = [], 0
+  while j < decode_steps:
+    need = prompt_len + j + 1
+    P = bucket_length(need, minimum)
+    P = -(-P // multiple) * multiple
+    if P >= capacity:
+      out.append((decode_steps - j, 0))
+      break
+    n = min(decode_steps - j, P - prompt_len - j)
+    out.append((n, P))
+    j += n
+  return tuple(out)
+
+
 def _generation_inputs(params, config, tokens, max_new_tokens, attention_mask,
                        bucket):
   """Shared validation of `generate` / `generate_no_cache`; returns the
@@ -336,12 +367,14 @@ def _generation_inputs(params, config, tokens, max_new_tokens, attention_mask,
 @functools.partial(
     jax.jit,
     static_argnames=("config", "steps", "sampler", "return_logits",
-                     "stop_tokens", "pad_id", "shardings"),
+                     "stop_tokens", "pad_id", "shardings", "schedule"),
     donate_argnames=("cache",))
 def _generate(params, config, tokens, mask, cache, rng, steps, sampler,
-              return_logits, stop_tokens, pad_id, shardings=None):
-  """Prefill, then `steps - 1` decode steps (scan) or a while_loop with stop
-  tokens; the last sampled token is never fed back."""
+              return_logits, stop_tokens, pad_id, shardings=None,
+              schedule=None):
+  """Prefill, then `steps - 1` decode steps (scans, one per `schedule`
+  segment) or a while_loop with stop tokens; the last sampled token is never
+  fed back."""
   pin = functools.partial(_pin, shardings)
   logits_B1V, cache = pin(*model.prefill_logits(params, config, tokens, mask,
                                                 cache, False))
@@ -352,14 +385,24 @@ def _generate(params, config, tokens, mask, cache, rng, steps, sampler,
   if not stop_tokens:
     tok0 = sampler(logits_BV, keys[0])
 
-    def body(carry, key):
+    def body(carry, key, attend):
       tok_B, cache = carry
-      next_BV, cache = pin(*model.decode_logits(params, config, tok_B, cache))
+      next_BV, cache = pin(*model.decode_logits(params, config, tok_B, cache,
+                                                attend))
       nxt_B = sampler(next_BV, key)
       return (nxt_B, cache), (nxt_B, next_BV if return_logits else None)
 
-    (_, cache), (toks_SB, logits_SBV) = jax.lax.scan(body, (tok0, cache),
-                                                     keys[1:])
+    carry, toks, logits, start = (tok0, cache), [], [], 1
+    for n, attend in schedule or ((steps - 1, 0),):
+      carry, (t_SB, l_SBV) = jax.lax.scan(
+          functools.partial(body, attend=attend), carry,
+          keys[start:start + n])
+      toks.append(t_SB)
+      logits.append(l_SBV)
+      start += n
+    cache = carry[1]
+    toks_SB = jnp.concatenate(toks, axis=0)
+    logits_SBV = jnp.concatenate(logits, axis=0) if return_logits else None
     toks_BS = jnp.concatenate([tok0[:, None], toks_SB.T], axis=1)
     if not return_logits:
       return toks_BS, None, cache
@@ -403,7 +446,7 @@ def generate(params, config: ModelConfig, tokens, max_new_tokens: int, *,
              policy: cache_lib.CachePolicy | None = None,
              stop_tokens=(), pad_id: int = 0, return_logits: bool = False,
              return_cache: bool = False, bucket: bool = True,
-             shardings=None):
+             shardings=None, attend_buckets: bool = True):
   """Prefill + decode with the KV cache.
 
   Args:
@@ -424,6 +467,11 @@ def generate(params, config: ModelConfig, tokens, max_new_tokens: int, *,
     shardings: a `kvjax.sharding.ShardingPlan`: the cache is created in its
       shards, params and prompt are placed by it, and every step keeps the
       cache's shardings.
+    attend_buckets: decode steps attend over a power-of-two prefix of the
+      cache that covers the filled slots (`attention_schedule`) instead of
+      the whole capacity. Same results; used with eviction 'none',
+      positions 'original', no stop tokens and no shardings (otherwise the
+      whole cache is attended).
   Returns:
     new ids [B, max_new_tokens]; with return_logits / return_cache a tuple
     (ids, logits [B, max_new_tokens, V] or None, cache or None).
@@ -452,10 +500,17 @@ def generate(params, config: ModelConfig, tokens, max_new_tokens: int, *,
     params, cache, (tokens, mask) = _place(shardings, config, params, cache,
                                            tokens, mask)
     rng = shardings.put(rng, ())
+  schedule = None
+  if (attend_buckets and policy.eviction == "none" and
+      policy.positions == "original" and not stop_tokens and
+      shardings is None):
+    schedule = attention_schedule(
+        T, int(max_new_tokens) - 1, capacity,
+        policy.key_group if policy.channel_keys else 1)
   toks, logits, cache = _generate(params, config, tokens, mask, cache, rng,
                                   int(max_new_tokens), sampler, return_logits,
                                   tuple(int(t) for t in stop_tokens), pad_id,
-                                  shardings)
+                                  shardings, schedule)
   if return_logits or return_cache:
     return toks, logits, (cache if return_cache else None)
   return toks

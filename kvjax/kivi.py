@@ -40,11 +40,16 @@ def _newest_group(last_B, group: int):
   return jnp.where(last_B >= 0, last_B // group, 0)
 
 
-def read_keys(cache: KVCache, layer, dtype):
+def read_keys(cache: KVCache, layer, dtype, prefix: int = 0):
   """One layer's keys [B, K, S, H] in `dtype`: the int8 groups dequantized,
-  the newest group taken from the float32 residual."""
-  g, S = cache.policy.key_group, cache.capacity
-  k_BKSH = quant.dequantize_groups(cache.k[layer], cache.k_scale[layer], g,
+  the newest group taken from the float32 residual. prefix > 0 (a multiple
+  of key_group that covers every filled slot): the first `prefix` slots."""
+  g = cache.policy.key_group
+  S = prefix or cache.capacity
+  if S % g:
+    raise ValueError(f"prefix={S} is not a multiple of key_group={g}")
+  k_BKSH = quant.dequantize_groups(cache.k[layer, :, :, :S],
+                                   cache.k_scale[layer, :, :, :S // g], g,
                                    _SLOT_AXIS, jnp.float32)
   last_B = jnp.max(cache.positions, axis=1)
   group_B = jnp.where(last_B >= 0, last_B // g, -1)

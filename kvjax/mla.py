@@ -42,12 +42,14 @@ def write_latent(cache: LatentCache, layer, slots_BT, c_BTC, r_BTR):
   return cache.replace(**new)
 
 
-def read_latent(cache: LatentCache, layer, dtype):
-  """One layer's latents [B, S, C] and rotary keys [B, S, R] in `dtype`."""
-  c_s = None if cache.c_scale is None else cache.c_scale[layer]
-  r_s = None if cache.r_scale is None else cache.r_scale[layer]
-  return (quant.dequantize(cache.c_kv[layer], c_s, dtype),
-          quant.dequantize(cache.k_rope[layer], r_s, dtype))
+def read_latent(cache: LatentCache, layer, dtype, prefix: int = 0):
+  """One layer's latents [B, S, C] and rotary keys [B, S, R] in `dtype`
+  (only the first `prefix` slots when prefix > 0)."""
+  P = prefix or cache.capacity
+  c_s = None if cache.c_scale is None else cache.c_scale[layer, :, :P]
+  r_s = None if cache.r_scale is None else cache.r_scale[layer, :, :P]
+  return (quant.dequantize(cache.c_kv[layer, :, :P], c_s, dtype),
+          quant.dequantize(cache.k_rope[layer, :, :P], r_s, dtype))
 
 
 def _softmax(logits_BNTS, mask_BTS):
@@ -112,7 +114,7 @@ def mla_attention(p, x_BTD, step: Step, cache, layer, config: ModelConfig):
   if step.mode == "decode":
     path = config.mla_decode
     cache = write_latent(cache, layer, step.slots, c_BTC, r_store_BTR)
-    c_BSC, r_BSR = read_latent(cache, layer, dtype)
+    c_BSC, r_BSR = read_latent(cache, layer, dtype, step.attend)
     if pre_rope:
       # Only the shared rotary key is position-dependent: the latent part
       # needs no re-rotation, which makes cache-position mode cheap for MLA.

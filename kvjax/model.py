@@ -365,14 +365,29 @@ def commit_positions(cache, q_pos_BT, slots_BT, new_length_B,
   return cache.replace(**new)
 
 
-def decode_step_info(config: ModelConfig, cache):
-  """The decode Step and the cache with the new token's slot committed."""
+def decode_step_info(config: ModelConfig, cache, attend: int = 0):
+  """The decode Step and the cache with the new token's slot committed.
+
+  attend > 0: attend over the first `attend` slots only; the caller
+  guarantees that every filled slot (the new token's included) lies there,
+  which needs eviction 'none' (filled slots are a prefix) and
+  positions 'original' (see `Step.attend`).
+  """
   S = cache.capacity
+  if attend:
+    policy = cache.policy
+    if policy.eviction != "none" or policy.positions != "original":
+      raise ValueError(
+          f"attend={attend} needs eviction='none' and positions='original' "
+          f"(got {policy.eviction!r}, {policy.positions!r}): only then are "
+          "the filled slots a prefix")
+    if not 0 < attend <= S:
+      raise ValueError(f"attend={attend} must be in (0, capacity={S}]")
   q_pos_B = cache.length
   slots_B = decode_slots(cache).astype(jnp.int32)
   cache = commit_positions(cache, q_pos_B[:, None], slots_B[:, None],
                            cache.length + 1)
-  mask = _causal(q_pos_B[:, None], cache.positions, config)
+  mask = _causal(q_pos_B[:, None], cache.positions[:, :attend or S], config)
   if cache.policy.positions == "cache":
     ranks_BS = cache_lib.cache_ranks(cache, cache.length)
     cos_k, sin_k = _rope(config, ranks_BS)
@@ -381,10 +396,10 @@ def decode_step_info(config: ModelConfig, cache):
   else:
     cos_k = sin_k = None
     cos_q, sin_q = _rope(config, q_pos_B[:, None])
-  del S
   return Step(q_pos=q_pos_B[:, None], mask=mask, cos_q=cos_q, sin_q=sin_q,
               slots=slots_B[:, None], cos_k=cos_k, sin_k=sin_k, mode="decode",
-              want_scores=cache.policy.eviction == "h2o"), cache
+              want_scores=cache.policy.eviction == "h2o",
+              attend=attend), cache
 
 
 # ---- the four calls ---------------------------------------------------------
@@ -428,9 +443,10 @@ def extend_logits(params, config, tokens_BT, attention_mask_BT, cache,
   return unembed(params, x_BTD, config), cache
 
 
-def decode_logits(params, config, token_B, cache):
-  """One token per sequence. Returns (logits [B, V], new_cache)."""
-  step, cache = decode_step_info(config, cache)
+def decode_logits(params, config, token_B, cache, attend: int = 0):
+  """One token per sequence. Returns (logits [B, V], new_cache).
+  attend: see `decode_step_info`."""
+  step, cache = decode_step_info(config, cache, attend)
   x_BTD, cache = run_layers(params, embed(params, token_B[:, None], config),
                             step, cache, config)
   return unembed(params, x_BTD, config)[:, 0], cache

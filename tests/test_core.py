@@ -186,6 +186,52 @@ class CachedEqualsUncachedTest(chex.TestCase):
     chex.assert_tree_all_finite(cache)
 
 
+class AttendBucketsTest(chex.TestCase, parameterized.TestCase):
+  """generate's decode loop attends over power-of-two prefixes of the cache
+  (`inference.attention_schedule`): same tokens and logits as attending
+  the whole capacity."""
+
+  @parameterized.parameters((16, 300, 1024, 1), (100, 50, 4096, 32),
+                            (128, 255, 512, 1), (5, 3, 16, 1))
+  def test_schedule_covers_every_step(self, prompt, steps, capacity, mult):
+    sched = inference.attention_schedule(prompt, steps, capacity, mult)
+    self.assertEqual(sum(n for n, _ in sched), steps)
+    j = 0
+    for n, attend in sched:
+      if attend:
+        self.assertEqual(attend % mult, 0)
+        self.assertLess(attend, capacity)
+        # The last step of the segment fills slots [0, prompt + j + n - 1].
+        self.assertLessEqual(prompt + j + n, attend)
+      j += n
+
+  @parameterized.product(variant=VARIANTS, kind=("float32", "int8-kivi"))
+  def test_buckets_change_nothing(self, variant, kind):
+    if variant == "mla" and kind == "int8-kivi":
+      kind = "int8"  # KIVI keys are GQA-family only
+    from kvjax import benchmarking as bm  # pylint: disable=g-import-not-at-top
+    config, params = tiny(variant), tiny_params(variant)
+    B, T, new = 2, 16, 150
+    tokens = jax.random.randint(jax.random.key(3), (B, T), 0,
+                                config.vocab_size)
+    mask = np.ones((B, T), bool)
+    mask[1, :9] = False  # ragged: 7 real tokens
+    sched = inference.attention_schedule(T, new - 1, 256)
+    self.assertEqual([a for _, a in sched], [128, 0])
+    outs = [kvjax.generate(params, config, tokens, new, attention_mask=mask,
+                           capacity=256, policy=bm.cache_policy(kind),
+                           return_logits=True, attend_buckets=b)
+            for b in (True, False)]
+    np.testing.assert_array_equal(outs[0][0], outs[1][0])
+    np.testing.assert_allclose(outs[0][1], outs[1][1], atol=1e-5, rtol=0)
+
+  def test_attend_needs_a_prefix_cache(self):
+    cache = kvjax.init_cache(tiny("gqa"), 1, 32,
+                             policy=kvjax.CachePolicy("window"))
+    with self.assertRaisesRegex(ValueError, "attend=16 needs eviction"):
+      model.decode_step_info(tiny("gqa"), cache, 16)
+
+
 class StructureTest(chex.TestCase):
 
   @parameterized.parameters(*VARIANTS)
