@@ -149,32 +149,58 @@ def _save(name: str, result, fig=None):
 
 # ---- memory -----------------------------------------------------------------
 def run_memory(config):
-  """Peak RSS of a generate run vs params + cache + largest activation."""
+  """Peak memory of a generate run vs params + cache + largest activation.
+
+  Two definitions, both reported:
+    compiled  XLA's buffer assignment of the generate program (arguments,
+              temporaries, outputs less donated aliases): what the run
+              needs on any device.
+    rss       the process's peak resident set while generate runs, above a
+              baseline taken after the JAX runtime started (a warm-up jit)
+              and before the params exist; the allocator's free pages are
+              returned before each measured region (weight init leaves its
+              temporaries there otherwise). First run = compile + run;
+              second run = the compiled program alone.
+  """
   B, T, N = _BATCH.value, _PROMPT.value, _NEW.value
+  jax.block_until_ready(jax.jit(lambda x: x + 1)(jnp.zeros(8)))  # runtime up
+  bm.release_free_memory()
   base = bm.current_rss_bytes()
   params = _params(config)
   tokens = _prompt(config, B, T)
   cap = inference.default_capacity(inference.bucket_length(T), N)
+  bm.release_free_memory()
+  held = bm.current_rss_bytes() - base
   with bm.PeakRSS() as first:  # compile + run
     jax.block_until_ready(kvjax.generate(params, config, tokens, N))
+  bm.release_free_memory()
   with bm.PeakRSS() as second:  # run only (compiled)
     jax.block_until_ready(kvjax.generate(params, config, tokens, N))
+  # After the RSS regions: the AOT compile would add a second executable.
+  compiled = bm.compiled_memory(inference.lower_generate(params, config,
+                                                         tokens, N))
   p_bytes = bm.param_bytes(params)
   c_bytes = bm.tree_bytes(jax.eval_shape(
       lambda: kvjax.init_cache(config, B, cap)))
   act = bm.largest_activation_bytes(config, B, inference.bucket_length(T))
   model_bytes = p_bytes + c_bytes + act
   out = dict(batch=B, prompt_len=T, new_tokens=N, capacity=cap,
-             rss_before_params=base, params_bytes=p_bytes, cache_bytes=c_bytes,
+             rss_baseline=base, rss_held_before_generate=held,
+             params_bytes=p_bytes, cache_bytes=c_bytes,
              largest_activation_bytes=act, model_bytes=model_bytes,
+             compiled=compiled,
+             compiled_ratio=compiled["peak"] / model_bytes,
              first_run=first.to_dict(), second_run=second.to_dict(),
              first_run_ratio=(first.peak - base) / model_bytes,
              second_run_ratio=(second.peak - base) / model_bytes)
-  logging.info("memory: params %.1f MB cache %.1f MB act %.1f MB; peak RSS "
-               "above the pre-params baseline: first run (incl. compile) "
-               "%.1f MB = %.2fx, second run %.1f MB = %.2fx",
-               p_bytes / 1e6, c_bytes / 1e6, act / 1e6,
-               (first.peak - base) / 1e6, out["first_run_ratio"],
+  logging.info("memory: params %.1f MB cache %.1f MB act %.1f MB = %.1f MB; "
+               "XLA program peak %.1f MB = %.2fx (temporaries %.1f MB); "
+               "RSS above the runtime baseline: held %.1f MB before "
+               "generate, peak first run (incl. compile) %.1f MB = %.2fx, "
+               "second run %.1f MB = %.2fx", p_bytes / 1e6, c_bytes / 1e6,
+               act / 1e6, model_bytes / 1e6, compiled["peak"] / 1e6,
+               out["compiled_ratio"], compiled["temporaries"] / 1e6,
+               held / 1e6, (first.peak - base) / 1e6, out["first_run_ratio"],
                (second.peak - base) / 1e6, out["second_run_ratio"])
   _save("memory", out)
 

@@ -24,6 +24,7 @@ Shapes use the alphabet of `kvjax.config`.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
 import os
@@ -362,6 +363,35 @@ def current_rss_bytes() -> int:
   if kib is None:
     raise OSError("/proc/self/status has no VmRSS on this system")
   return kib * 1024
+
+
+def release_free_memory() -> bool:
+  """Returns the C allocator's free pages to the OS (glibc `malloc_trim`).
+
+  Measurement hygiene for `PeakRSS`: buffers a finished computation freed
+  stay resident in the allocator's free lists, so a region measured after
+  (say) weight initialisation would be charged for memory nothing holds.
+  A no-op returning False where glibc is not the allocator.
+  """
+  try:
+    libc = ctypes.CDLL("libc.so.6")
+    return bool(libc.malloc_trim(0))
+  except (OSError, AttributeError):
+    return False
+
+
+def compiled_memory(lowered) -> dict[str, int]:
+  """XLA's memory analysis of a lowered program (device-agnostic): the
+  bytes of its arguments, outputs, temporaries, donated aliases and the
+  peak its buffer assignment needs."""
+  ma = lowered.compile().memory_analysis()
+  if ma is None:
+    raise ValueError("this backend gives no memory analysis")
+  return dict(arguments=ma.argument_size_in_bytes,
+              outputs=ma.output_size_in_bytes,
+              temporaries=ma.temp_size_in_bytes,
+              aliased=ma.alias_size_in_bytes,
+              peak=ma.peak_memory_in_bytes)
 
 
 def reset_peak_rss() -> bool:

@@ -440,6 +440,46 @@ def _generate(params, config, tokens, mask, cache, rng, steps, sampler,
   return out_BS, (out_logits if return_logits else None), cache
 
 
+def _generate_args(params, config, tokens, max_new_tokens, attention_mask,
+                   sampler, rng, capacity, policy, stop_tokens, pad_id,
+                   return_logits, bucket, shardings, attend_buckets):
+  """Validates a `generate` call; returns the arguments of `_generate`."""
+  tokens, mask = _generation_inputs(params, config, tokens, max_new_tokens,
+                                    attention_mask, bucket)
+  B, T = tokens.shape
+  n_max = int(np.asarray(mask).sum(axis=1).max())
+  policy = policy or cache_lib.CachePolicy()
+  if capacity is None:
+    capacity = default_capacity(tokens.shape[1], max_new_tokens)
+  if shardings is not None:
+    shardings.check_config(config)
+    cache = shardings.init_cache(B, capacity, policy=policy)
+  else:
+    cache = cache_lib.init_cache(config, B, capacity, policy=policy)
+  _check_fits(cache, n_max, fresh=True, what="generate prompt")
+  if policy.eviction == "none":
+    # The last token is sampled, never written: n + max_new - 1 slots.
+    _check_fits(cache, n_max + max_new_tokens - 1, fresh=True,
+                what="generate")
+  if not sampler.greedy and rng is None:
+    raise ValueError("a sampling Sampler needs an explicit rng key")
+  rng = jax.random.key(0) if rng is None else rng
+  if shardings is not None:
+    params, cache, (tokens, mask) = _place(shardings, config, params, cache,
+                                           tokens, mask)
+    rng = shardings.put(rng, ())
+  schedule = None
+  if (attend_buckets and policy.eviction == "none" and
+      policy.positions == "original" and not stop_tokens and
+      shardings is None):
+    schedule = attention_schedule(
+        T, int(max_new_tokens) - 1, capacity,
+        policy.key_group if policy.channel_keys else 1)
+  return (params, config, tokens, mask, cache, rng, int(max_new_tokens),
+          sampler, return_logits, tuple(int(t) for t in stop_tokens), pad_id,
+          shardings, schedule)
+
+
 def generate(params, config: ModelConfig, tokens, max_new_tokens: int, *,
              attention_mask=None, sampler: Sampler = GREEDY, rng=None,
              capacity: int | None = None,
@@ -476,44 +516,31 @@ def generate(params, config: ModelConfig, tokens, max_new_tokens: int, *,
     new ids [B, max_new_tokens]; with return_logits / return_cache a tuple
     (ids, logits [B, max_new_tokens, V] or None, cache or None).
   """
-  tokens, mask = _generation_inputs(params, config, tokens, max_new_tokens,
-                                    attention_mask, bucket)
-  B, T = tokens.shape
-  n_max = int(np.asarray(mask).sum(axis=1).max())
-  policy = policy or cache_lib.CachePolicy()
-  if capacity is None:
-    capacity = default_capacity(tokens.shape[1], max_new_tokens)
-  if shardings is not None:
-    shardings.check_config(config)
-    cache = shardings.init_cache(B, capacity, policy=policy)
-  else:
-    cache = cache_lib.init_cache(config, B, capacity, policy=policy)
-  _check_fits(cache, n_max, fresh=True, what="generate prompt")
-  if policy.eviction == "none":
-    # The last token is sampled, never written: n + max_new - 1 slots.
-    _check_fits(cache, n_max + max_new_tokens - 1, fresh=True,
-                what="generate")
-  if not sampler.greedy and rng is None:
-    raise ValueError("a sampling Sampler needs an explicit rng key")
-  rng = jax.random.key(0) if rng is None else rng
-  if shardings is not None:
-    params, cache, (tokens, mask) = _place(shardings, config, params, cache,
-                                           tokens, mask)
-    rng = shardings.put(rng, ())
-  schedule = None
-  if (attend_buckets and policy.eviction == "none" and
-      policy.positions == "original" and not stop_tokens and
-      shardings is None):
-    schedule = attention_schedule(
-        T, int(max_new_tokens) - 1, capacity,
-        policy.key_group if policy.channel_keys else 1)
-  toks, logits, cache = _generate(params, config, tokens, mask, cache, rng,
-                                  int(max_new_tokens), sampler, return_logits,
-                                  tuple(int(t) for t in stop_tokens), pad_id,
-                                  shardings, schedule)
+  args = _generate_args(params, config, tokens, max_new_tokens,
+                        attention_mask, sampler, rng, capacity, policy,
+                        stop_tokens, pad_id, return_logits, bucket, shardings,
+                        attend_buckets)
+  toks, logits, cache = _generate(*args)
   if return_logits or return_cache:
     return toks, logits, (cache if return_cache else None)
   return toks
+
+
+def lower_generate(params, config: ModelConfig, tokens, max_new_tokens: int,
+                   **kwargs) -> jax.stages.Lowered:
+  """The lowered program a `generate` call with these arguments runs (same
+  keyword arguments), for AOT compilation, compile times and XLA's
+  memory analysis (`.compile().memory_analysis()`: arguments, outputs,
+  temporaries and the peak, device-agnostic)."""
+  kw = dict(attention_mask=None, sampler=GREEDY, rng=None, capacity=None,
+            policy=None, stop_tokens=(), pad_id=0, return_logits=False,
+            bucket=True, shardings=None, attend_buckets=True)
+  unknown = set(kwargs) - set(kw)
+  if unknown:
+    raise ValueError(f"lower_generate: unknown arguments {sorted(unknown)}")
+  kw.update(kwargs)
+  return _generate.lower(*_generate_args(params, config, tokens,
+                                         max_new_tokens, **kw))
 
 
 # ---- the no-cache baseline --------------------------------------------------
