@@ -16,6 +16,7 @@ import numpy as np
 
 import kvjax
 from kvjax import benchmarking as bm
+from kvjax import inference
 from kvjax import model
 import model as model_presets  # configs/model.py (see conftest.py)
 
@@ -239,6 +240,36 @@ class PeakRSSTest(absltest.TestCase):
     self.assertGreaterEqual(m.delta, 0.9 * n)
     self.assertGreaterEqual(m.peak, m.before)
     self.assertLess(m.after, m.peak)
+
+
+
+class CompiledMemoryTest(absltest.TestCase):
+
+  def test_generate_program_holds_params_and_cache(self):
+    config = tiny("gqa")
+    params = kvjax.init_params(config, jax.random.key(0))
+    tokens = jnp.zeros((2, 8), jnp.int32)
+    got = bm.compiled_memory(inference.lower_generate(
+        params, config, tokens, 5, capacity=32))
+    p_bytes = bm.param_bytes(params)
+    cache = kvjax.init_cache(config, 2, 32)
+    kv_bytes = cache.k.nbytes + cache.v.nbytes
+    # Arguments: params and cache (prompt, mask, key: bytes; the fresh
+    # cache's positions are overwritten, so XLA may drop them); the donated
+    # K/V payload is written in place (aliased to the returned cache).
+    self.assertGreaterEqual(got["arguments"], p_bytes + kv_bytes)
+    self.assertLess(got["arguments"],
+                    p_bytes + bm.tree_bytes(cache) + 4096)
+    self.assertEqual(got["aliased"], kv_bytes)
+    self.assertGreaterEqual(got["peak"], got["arguments"])
+
+  def test_lower_generate_refuses_unknown_arguments(self):
+    config = tiny("gqa")
+    params = kvjax.init_params(config, jax.random.key(0))
+    with self.assertRaisesRegex(ValueError, "unknown arguments"):
+      inference.lower_generate(params, config,
+                                     jnp.zeros((1, 4), jnp.int32), 2,
+                                     capcity=16)
 
 
 if __name__ == "__main__":
