@@ -132,7 +132,9 @@ def run(loaded: LoadedModel, tokens: np.ndarray, *, max_new_tokens: int,
       decode_ms_per_step=1e3 * decode_time / max(max_new_tokens - 1, 1),
       cache_total_bytes=bytes_["total"], cache_kv_bytes=bytes_["kv"],
       cache_used_bytes=bytes_["used"],
-      kv_bytes_per_token=cache_lib.kv_bytes_per_token(cfg, policy.kv_dtype),
+      kv_bytes_per_token=cache_lib.kv_bytes_per_token(
+          cfg, policy.kv_dtype,
+          key_group=policy.key_group if policy.channel_keys else 0),
   )
   if loaded.byte_level:
     from kvjax import data  # pylint: disable=g-import-not-at-top
@@ -160,7 +162,9 @@ def format_report(r: dict[str, Any]) -> str:
       f"model        {r['source']}  ({r['variant']})",
       f"batch        {r['batch']} × prompt {r['prompt_len']} → "
       f"{r['max_new_tokens']} new tokens, capacity {r['capacity']}, "
-      f"eviction {r['policy']['eviction']}, kv {r['policy']['kv_dtype']}",
+      f"eviction {r['policy']['eviction']}, kv {r['policy']['kv_dtype']}"
+      + (f" (keys per channel, groups of {r['policy']['key_group']})"
+         if r['policy']['key_quant'] == "channel" else ""),
       f"prefill      {1e3 * r['prefill_s']:.1f} ms "
       f"(first call incl. compile {r['first_call_prefill_s']:.2f} s)",
       f"decode       {r['decode_tokens_per_s']:.1f} tokens/s "

@@ -164,6 +164,14 @@ class KiviCacheTest(chex.TestCase, parameterized.TestCase):
     self.assertEqual(per_token,
                      L * (2 * K * H + 4 * K + 4 * K * H // GROUP))
 
+  def test_default_capacity_is_whole_groups(self):
+    config, params = tiny("gqa"), tiny_params("gqa")
+    policy = kvjax.CachePolicy(kv_dtype="int8", key_quant="channel",
+                               key_group=48)
+    _, _, cache = kvjax.generate(params, config, _tokens(config, 5), 3,
+                                 policy=policy, return_cache=True)
+    self.assertEqual(cache.capacity, 48)  # the power of two 16, rounded up
+
   def test_sharding_axes_cover_the_new_fields(self):
     cache = kvjax.init_cache(tiny("gqa"), B, S, policy=KIVI)
     axes = sharding.cache_axes(cache)
