@@ -393,7 +393,7 @@ def _perplexity(kv_dtypes):
   rows = max(1, _PPL_TOKENS.value // W)
   stream = data.documents_to_stream(docs)[:rows * W].reshape(rows, W)
   out = {}
-  for dt in bm.kinds_for(loaded.config, kv_dtypes):
+  for dt in kv_dtypes:
     cache = kvjax.init_cache(loaded.config, rows, W,
                              policy=bm.cache_policy(dt))
     nll, _ = streaming.stream_nll(loaded.params, loaded.config, stream, cache)
@@ -413,7 +413,7 @@ def run_quant():
     params = _params(config)
     tokens = _prompt(config, 2, 64)
     logits = {}
-    dtypes = bm.kinds_for(config)
+    dtypes = bm.CACHE_KINDS
     for dt in dtypes:
       cache = kvjax.init_cache(config, 2, 64, policy=bm.cache_policy(dt))
       _, cache = kvjax.prefill(params, config, tokens[:, :32], cache)
@@ -455,7 +455,7 @@ def run_sweep():
              if not label.endswith("naive")]
   for label, config in configs:
     params = _params(config)
-    for dt in bm.kinds_for(config, _SWEEP_DTYPES.value):
+    for dt in _SWEEP_DTYPES.value:
       for B in batches:
         for ctx in contexts:
           s = bm.decode_step_seconds(params, config, B, ctx, steps=4,

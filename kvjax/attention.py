@@ -110,33 +110,22 @@ def attend(q_BTKGH, k_BKSH, v_BKSH, mask_BTS, scale: float,
   return out_BTKGH.astype(q_BTKGH.dtype), probs_BKGTS
 
 
-def _scatter_tokens(arr, layer, slots_BT, new_BT, slot_axis):
-  """arr[layer, b, ..., slots[b, t], ...] = new[b, t] (slot = S: dropped)."""
-  B, T = slots_BT.shape
-  b_BT = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
-  if slot_axis == 3:  # [L, B, K, S, ...]
-    return arr.at[layer, b_BT, :, slots_BT].set(new_BT.astype(arr.dtype),
-                                                mode="drop")
-  return arr.at[layer, b_BT, slots_BT].set(new_BT.astype(arr.dtype),
-                                           mode="drop")
-
-
 def write_kv(cache: cache_lib.KVCache, layer, slots_BT, k_BTKH, v_BTKH, *,
              fresh: bool = False):
   """Stores one layer's new keys and values at `slots` (quantized if asked;
   `fresh`: a prefill, which takes the cache as empty)."""
   dtype = cache.k.dtype
   v_q, v_s = quant.quantize(v_BTKH, dtype)
-  new = dict(v=_scatter_tokens(cache.v, layer, slots_BT, v_q, 3))
+  new = dict(v=cache_lib.scatter_tokens(cache.v, layer, slots_BT, v_q, 3))
   if v_s is not None:
-    new["v_scale"] = _scatter_tokens(cache.v_scale, layer, slots_BT, v_s, 3)
+    new["v_scale"] = cache_lib.scatter_tokens(cache.v_scale, layer, slots_BT, v_s, 3)
   if cache.policy.channel_keys:
     new.update(kivi.write_keys(cache, layer, slots_BT, k_BTKH, fresh=fresh))
     return cache.replace(**new)
   k_q, k_s = quant.quantize(k_BTKH, dtype)
-  new["k"] = _scatter_tokens(cache.k, layer, slots_BT, k_q, 3)
+  new["k"] = cache_lib.scatter_tokens(cache.k, layer, slots_BT, k_q, 3)
   if k_s is not None:
-    new["k_scale"] = _scatter_tokens(cache.k_scale, layer, slots_BT, k_s, 3)
+    new["k_scale"] = cache_lib.scatter_tokens(cache.k_scale, layer, slots_BT, k_s, 3)
   return cache.replace(**new)
 
 

@@ -256,8 +256,10 @@ def decode_bytes_per_step(params, config: ModelConfig, batch: int,
   c = int(batch * context * cache_lib.kv_bytes_per_token(
       config, policy.kv_dtype, key_group=key_group))
   if key_group:  # KIVI also reads its float32 newest key group
-    c += (config.num_layers * batch * config.num_kv_heads * key_group *
-          config.head_dim * 4)
+    channels = (config.kv_lora_rank + config.qk_rope_head_dim
+                if config.attention == "mla" else
+                config.num_kv_heads * config.head_dim)
+    c += config.num_layers * batch * key_group * channels * 4
   return dict(weights=w, cache=c, total=w + c)
 
 
@@ -276,11 +278,6 @@ def cache_policy(kind: str) -> cache_lib.CachePolicy:
     raise ValueError(f"cache kind {kind!r} is not one of {CACHE_KINDS}")
   return cache_lib.CachePolicy(kv_dtype=kind)
 
-
-def kinds_for(config: ModelConfig, kinds=CACHE_KINDS) -> tuple[str, ...]:
-  """`kinds` without those the variant cannot use (KIVI keys: not MLA)."""
-  return tuple(k for k in kinds
-               if not (k == "int8-kivi" and config.attention == "mla"))
 
 
 def _matmul_params_per_layer(config: ModelConfig) -> int:
@@ -485,8 +482,8 @@ def filled_cache(config: ModelConfig, batch: int, capacity: int, length: int,
     elif x.dtype == quant.BF16_BITS:  # bfloat16 caches store the bits
       out.append(jax.lax.bitcast_convert_type(
           jax.random.normal(k, x.shape, jnp.bfloat16), jnp.uint16))
-    elif x.ndim == (3 if isinstance(cache, cache_lib.LatentCache) else 4) or (
-        x is getattr(cache, "k_scale", None)):  # scales (KIVI: 5-D)
+    elif any(x is getattr(cache, f, None)
+             for f in ("k_scale", "v_scale", "c_scale", "r_scale")):
       out.append(jax.random.uniform(k, x.shape, jnp.float32, 0.005, 0.02))
     else:
       out.append(jax.random.normal(k, x.shape, jnp.float32).astype(x.dtype))

@@ -74,10 +74,12 @@ class CachePolicy:
              newest, incomplete group is also kept in float32 (the
              residual) and attention reads it from there; each decode step
              re-quantizes that one group, so a group's final int8 values
-             come from its `key_group` full-precision tokens. GQA-family
-             keys only (MLA's latent is keys and values at once), eviction
+             come from its `key_group` full-precision tokens. Eviction
              'none' only (window / sinks / h2o overwrite single slots
              inside a quantized group), capacity a multiple of key_group.
+             MLA: both latent arrays (`c_kv`, `k_rope`) are quantized this
+             way, since every key is computed from them (and its values
+             from `c_kv`: see kvjax/kivi.py).
   key_group: tokens per per-channel key group (key_quant='channel').
   """
 
@@ -192,7 +194,11 @@ class KVCache:
 class LatentCache:
   """MLA's latent cache: c_kv [L, B, S, C], k_rope [L, B, S, R].
 
-  c_scale, r_scale: int8 scales [L, B, S] (None for float caches).
+  c_scale, r_scale: int8 scales [L, B, S] (None for float caches); with
+  key_quant='channel' (KIVI) per channel and group instead,
+  [L, B, S / key_group, C] and [L, B, S / key_group, R], and
+  c_resid [L, B, key_group, C], r_resid [L, B, key_group, R]: the newest
+  group in float32 (else None).
   """
 
   c_kv: jax.Array
@@ -202,6 +208,8 @@ class LatentCache:
   c_scale: jax.Array | None = None
   r_scale: jax.Array | None = None
   scores: jax.Array | None = None
+  c_resid: jax.Array | None = None
+  r_resid: jax.Array | None = None
   policy: CachePolicy = struct.field(pytree_node=False,
                                      default=CachePolicy())
 
@@ -248,19 +256,23 @@ def init_cache(config: ModelConfig, batch: int, capacity: int,
   length = jnp.zeros((B,), jnp.int32)
   scores = jnp.zeros((B, S), jnp.float32) if policy.eviction == "h2o" else None
   q = policy.quantized
-  if policy.channel_keys and config.attention == "mla":
-    raise ValueError(
-        "key_quant='channel' (KIVI) applies to GQA-family keys; MLA's latent "
-        "is keys and values at once: use key_quant='token' for MLA")
   if config.attention == "mla":
     C, R = config.kv_lora_rank, config.qk_rope_head_dim
+    extra = {}
+    if policy.channel_keys:
+      g = policy.key_group
+      extra = dict(c_scale=jnp.zeros((L, B, S // g, C), jnp.float32),
+                   r_scale=jnp.zeros((L, B, S // g, R), jnp.float32),
+                   c_resid=jnp.zeros((L, B, g, C), jnp.float32),
+                   r_resid=jnp.zeros((L, B, g, R), jnp.float32))
+    elif q:
+      extra = dict(c_scale=jnp.zeros((L, B, S), jnp.float32),
+                   r_scale=jnp.zeros((L, B, S), jnp.float32))
     return LatentCache(
         c_kv=jnp.zeros((L, B, S, C), store),
         k_rope=jnp.zeros((L, B, S, R), store),
-        positions=positions, length=length,
-        c_scale=jnp.zeros((L, B, S), jnp.float32) if q else None,
-        r_scale=jnp.zeros((L, B, S), jnp.float32) if q else None,
-        scores=scores, policy=policy)
+        positions=positions, length=length, scores=scores, policy=policy,
+        **extra)
   K, H = config.num_kv_heads, config.head_dim
   k_scale = jnp.zeros((L, B, K, S), jnp.float32) if q else None
   k_resid = None
@@ -277,6 +289,23 @@ def init_cache(config: ModelConfig, batch: int, capacity: int,
       scores=scores, k_resid=k_resid, policy=policy)
 
 
+# ---- writes -----------------------------------------------------------------
+def scatter_tokens(arr, layer, slots_BT, new_BT, slot_axis):
+  """arr[layer, b, ..., slots[b, t], ...] = new[b, t] (slot = S: dropped).
+
+  slot_axis: 3 for the per-head arrays ([L, B, K, S, ...]), 2 for the
+  latent ones ([L, B, S, ...]); new_BT is [B, T, ...] without the slot axis.
+  """
+  B, T = slots_BT.shape
+  b_BT = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+  if slot_axis == 3:  # [L, B, K, S, ...]
+    return arr.at[layer, b_BT, :, slots_BT].set(new_BT.astype(arr.dtype),
+                                                mode="drop")
+  return arr.at[layer, b_BT, slots_BT].set(new_BT.astype(arr.dtype),
+                                           mode="drop")
+
+
+
 # ---- memory accounting ------------------------------------------------------
 def kv_bytes_per_token(config: ModelConfig, dtype="float32", *,
                        key_group: int = 0) -> float:
@@ -285,24 +314,30 @@ def kv_bytes_per_token(config: ModelConfig, dtype="float32", *,
   GQA: L × K × 2 × H × bytes; MLA: L × (C + R) × bytes. For int8 the
   float32 scales are included: per token (and head), or with `key_group`
   > 0 (KIVI per-channel keys) the value scales per token and the key scales
-  per channel and group, 4 × K × H / key_group bytes per token (a float
-  when that does not divide). KIVI's float32 residual group is a fixed
-  L × B × K × key_group × H × 4 bytes, not per token (`cache_bytes`).
+  per channel and group, 4 × K × H / key_group bytes per token (MLA: the
+  latent's 4 × (C + R) / key_group; a float when that does not divide).
+  KIVI's float32 residual group is a fixed L × B × K × key_group × H × 4
+  (MLA: L × B × key_group × (C + R) × 4) bytes, not per token
+  (`cache_bytes`).
   """
   name = jnp.dtype(dtype).name if not isinstance(dtype, str) else dtype
   if name not in KV_DTYPES:
     raise ValueError(f"kv dtype {name!r} is not one of {KV_DTYPES}")
   itemsize = jnp.dtype(name).itemsize
   per_layer = config.kv_elements_per_token_per_layer * itemsize
-  if key_group and (name != "int8" or config.attention == "mla"):
-    raise ValueError("key_group (KIVI per-channel keys) needs an int8 "
-                     "GQA-family cache")
+  if key_group and name != "int8":
+    raise ValueError("key_group (KIVI per-channel keys) needs an int8 cache")
   if name == "int8":
     if key_group:
-      K, H = config.num_kv_heads, config.head_dim
-      key_scales = 4 * K * H / key_group
-      per_layer += 4 * K + (int(key_scales) if key_scales.is_integer()
-                            else key_scales)
+      if config.attention == "mla":  # latent and rotary key, per channel
+        value_scales = 0
+        channels = config.kv_lora_rank + config.qk_rope_head_dim
+      else:  # values per token and head, keys per channel
+        value_scales = 4 * config.num_kv_heads
+        channels = config.num_kv_heads * config.head_dim
+      key_scales = 4 * channels / key_group
+      per_layer += value_scales + (int(key_scales) if key_scales.is_integer()
+                                   else key_scales)
     else:
       scales = 2 if config.attention == "mla" else 2 * config.num_kv_heads
       per_layer += 4 * scales
@@ -335,10 +370,11 @@ def cache_bytes(cache: Cache) -> dict[str, int]:
            for x in _storage_leaves(cache))
   slots = cache.batch * cache.capacity
   filled = int(jnp.sum(cache.positions >= 0))
-  resid = getattr(cache, "k_resid", None)
+  resid = sum(getattr(cache, f).nbytes
+              for f in ("k_resid", "c_resid", "r_resid")
+              if getattr(cache, f, None) is not None)
   return dict(total=total, kv=kv, used=kv * filled // slots,
-              per_token=kv // slots,
-              residual=0 if resid is None else resid.size * 4)
+              per_token=kv // slots, residual=resid)
 
 
 # ---- slot arithmetic (the one place that maps stream positions to slots) ---

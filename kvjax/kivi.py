@@ -4,12 +4,18 @@ KIVI (Liu et al. 2024) observes that key outliers live in fixed channels, so
 keys are quantized per channel (one scale per channel over a group of
 `key_group` consecutive tokens) and values per token. A group's scales need
 all of its tokens, so the newest, incomplete group is also kept in full
-precision (the residual, `KVCache.k_resid [L, B, K, key_group, H]`) and
-attention reads it from there.
+precision (the residual) and attention reads it from there.
+
+Which arrays: the key-producing ones. GQA-family: `KVCache.k` (scales
+`k_scale [L, B, K, S/g, H]`, residual `k_resid [L, B, K, g, H]`; values stay
+per token). MLA: both latent arrays, since every key is computed from them
+— `c_kv` (`c_scale [L, B, S/g, C]`, `c_resid [L, B, g, C]`) and `k_rope`
+(`r_scale`, `r_resid`, R channels). MLA's values are also computed from the
+latent, so for MLA the option quantizes the values' source per channel too.
 
 Invariant, for every sequence b and layer (eviction 'none', so slot =
 position): every complete group is stored as `quantize_groups` of its
-full-precision keys; the group that holds the newest token is stored in the
+full-precision rows; the group that holds the newest token is stored in the
 residual exactly, and also (re-quantized) in the int8 array, so that the
 int8 array is final the moment the group completes. Empty slots hold zeros.
 
@@ -17,11 +23,14 @@ Two write paths keep it:
   one token per sequence (decode): the residual takes the token (it is
     cleared first when the token opens a new group) and its one group is
     re-quantized and written back: O(key_group) work per step.
-  several tokens (prefill, chunked extend): the layer's keys are read in
-    float (residual overlaid), the new keys scattered in, every group
+  several tokens (prefill, chunked extend): the layer's rows are read in
+    float (residual overlaid), the new rows scattered in, every group
     re-quantized (idempotent for complete groups: max|q| = 127 returns the
     same scale and values) and the residual cut out: O(S) work, as the
     call's attention already is.
+
+Every function works on one (payload, scale, residual) triple of stacked
+arrays with the slot axis second to last in each layer: [L, B, ..., S, X].
 """
 
 from __future__ import annotations
@@ -30,86 +39,108 @@ import jax
 import jax.numpy as jnp
 
 from kvjax import quant
-from kvjax.cache import KVCache
-
-_SLOT_AXIS = -2  # [B, K, S, H]
+from kvjax.cache import KVCache, scatter_tokens
 
 
-def _newest_group(last_B, group: int):
-  """[B] group holding the newest token (0 for an empty sequence)."""
-  return jnp.where(last_B >= 0, last_B // group, 0)
+def _slot_axis(stack) -> int:
+  """Index of the slot axis of a stacked [L, B, ..., S, X] array."""
+  return stack.ndim - 2
 
 
-def read_keys(cache: KVCache, layer, dtype, prefix: int = 0):
-  """One layer's keys [B, K, S, H] in `dtype`: the int8 groups dequantized,
-  the newest group taken from the float32 residual. prefix > 0 (a multiple
-  of key_group that covers every filled slot): the first `prefix` slots."""
-  g = cache.policy.key_group
-  S = prefix or cache.capacity
-  if S % g:
-    raise ValueError(f"prefix={S} is not a multiple of key_group={g}")
-  k_BKSH = quant.dequantize_groups(cache.k[layer, :, :, :S],
-                                   cache.k_scale[layer, :, :, :S // g], g,
-                                   _SLOT_AXIS, jnp.float32)
-  last_B = jnp.max(cache.positions, axis=1)
-  group_B = jnp.where(last_B >= 0, last_B // g, -1)
-  resid_BKSH = jnp.tile(cache.k_resid[layer], (1, 1, S // g, 1))
-  use_BS = (jnp.arange(S) // g)[None, :] == group_B[:, None]
-  return jnp.where(use_BS[:, None, :, None], resid_BKSH, k_BKSH).astype(dtype)
+def read(payload, scale, resid, layer, positions_BS, group: int, dtype,
+         prefix: int = 0):
+  """One layer's rows [B, ..., S', X] in `dtype`: the int8 groups
+  dequantized, the newest group taken from the float32 residual. prefix > 0
+  (a multiple of `group` covering every filled slot): S' = prefix."""
+  S = prefix or payload.shape[-2]
+  if S % group:
+    raise ValueError(f"prefix={S} is not a multiple of key_group={group}")
+  x = quant.dequantize_groups(payload[layer][..., :S, :],
+                              scale[layer][..., :S // group, :], group, -2,
+                              jnp.float32)
+  last_B = jnp.max(positions_BS, axis=1)
+  group_B = jnp.where(last_B >= 0, last_B // group, -1)
+  r = resid[layer]
+  tiled = jnp.tile(r, (1,) * (r.ndim - 2) + (S // group, 1))
+  use_BS = (jnp.arange(S) // group)[None, :] == group_B[:, None]
+  use = use_BS.reshape((use_BS.shape[0],) + (1,) * (r.ndim - 3) + (S, 1))
+  return jnp.where(use, tiled, x).astype(dtype)
 
 
-def _write_one(cache: KVCache, layer, slot_B, k_BKH):
-  g, S = cache.policy.key_group, cache.capacity
+def _write_one(payload, scale, resid, layer, slot_B, new_BX, group: int):
+  """Decode: one row per sequence at `slot_B` (S: dropped)."""
+  S = payload.shape[-2]
   B = slot_B.shape[0]
   b_B = jnp.arange(B)
   valid_B = slot_B < S
-  j_B, group_B = slot_B % g, slot_B // g
-  old_BKGH = cache.k_resid[layer]
-  # A token that opens a group clears the residual: the old group is final.
-  resid_BKGH = jnp.where((j_B == 0)[:, None, None, None], 0.0, old_BKGH)
-  resid_BKGH = resid_BKGH.at[b_B, :, j_B].set(k_BKH.astype(jnp.float32))
-  resid_BKGH = jnp.where(valid_B[:, None, None, None], resid_BKGH, old_BKGH)
-  q_BKGH, scale_BK1H = quant.quantize_groups(resid_BKGH, g, _SLOT_AXIS)
+  j_B, group_B = slot_B % group, slot_B // group
+  bcast = (B,) + (1,) * (resid.ndim - 2)
+  old = resid[layer]  # [B, ..., g, X]
+  # A row that opens a group clears the residual: the old group is final.
+  r = jnp.where((j_B == 0).reshape(bcast), 0.0, old)
+  r = jnp.moveaxis(jnp.moveaxis(r, -2, 1).at[b_B, j_B].set(
+      new_BX.astype(jnp.float32)), 1, -2)
+  r = jnp.where(valid_B.reshape(bcast), r, old)
+  q, s = quant.quantize_groups(r, group, -2)  # s: [B, ..., 1, X]
   slots_BG = jnp.where(valid_B[:, None],
-                       group_B[:, None] * g + jnp.arange(g)[None, :], S)
-  b_BG = jnp.broadcast_to(b_B[:, None], slots_BG.shape)
-  k = cache.k.at[layer, b_BG, :, slots_BG].set(jnp.swapaxes(q_BKGH, 1, 2),
-                                               mode="drop")
-  group_B = jnp.where(valid_B, group_B, S // g)
-  k_scale = cache.k_scale.at[layer, b_B, :, group_B].set(
-      scale_BK1H[:, :, 0], mode="drop")
-  k_resid = cache.k_resid.at[layer].set(resid_BKGH)
-  return dict(k=k, k_scale=k_scale, k_resid=k_resid)
+                       group_B[:, None] * group + jnp.arange(group)[None, :],
+                       S)
+  group_B1 = jnp.where(valid_B, group_B, S // group)[:, None]
+  return dict(
+      payload=scatter_tokens(payload, layer, slots_BG,
+                             jnp.moveaxis(q, -2, 1), _slot_axis(payload)),
+      scale=scatter_tokens(scale, layer, group_B1, jnp.moveaxis(s, -2, 1),
+                           _slot_axis(scale)),
+      resid=resid.at[layer].set(r))
 
 
-def _write_many(cache: KVCache, layer, slots_BT, k_BTKH, fresh: bool):
-  g, S = cache.policy.key_group, cache.capacity
+def _write_many(payload, scale, resid, layer, positions_BS, slots_BT, new_BTX,
+                group: int, fresh: bool):
+  """Prefill / extend: several rows per sequence at `slots_BT`."""
+  S = payload.shape[-2]
   B, T = slots_BT.shape
   if fresh:  # prefill: the cache is taken as empty, whatever it held
-    full_BKSH = jnp.zeros(cache.k.shape[1:], jnp.float32)
+    full = jnp.zeros(payload.shape[1:], jnp.float32)
     last_B = jnp.full((B,), -1, jnp.int32)
   else:
-    full_BKSH = read_keys(cache, layer, jnp.float32)
-    last_B = jnp.max(cache.positions, axis=1)
+    full = read(payload, scale, resid, layer, positions_BS, group,
+                jnp.float32)
+    last_B = jnp.max(positions_BS, axis=1)
   b_BT = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
-  full_BKSH = full_BKSH.at[b_BT, :, slots_BT].set(
-      k_BTKH.astype(jnp.float32), mode="drop")
+  full = jnp.moveaxis(jnp.moveaxis(full, -2, 1).at[b_BT, slots_BT].set(
+      new_BTX.astype(jnp.float32), mode="drop"), 1, -2)
   written_B = jnp.max(jnp.where(slots_BT < S, slots_BT, -1), axis=1)
-  group_B = _newest_group(jnp.maximum(last_B, written_B), g)
-  q_BKSH, scale = quant.quantize_groups(full_BKSH, g, _SLOT_AXIS)
-  resid_BKGH = jax.vmap(
-      lambda f, start: jax.lax.dynamic_slice_in_dim(f, start, g, axis=1))(
-          full_BKSH, group_B * g)
-  return dict(k=cache.k.at[layer].set(q_BKSH),
-              k_scale=cache.k_scale.at[layer].set(scale),
-              k_resid=cache.k_resid.at[layer].set(resid_BKGH))
+  newest_B = jnp.maximum(last_B, written_B)
+  group_B = jnp.where(newest_B >= 0, newest_B // group, 0)
+  q, s = quant.quantize_groups(full, group, -2)
+  r = jax.vmap(lambda f, start: jax.lax.dynamic_slice_in_dim(
+      f, start, group, axis=f.ndim - 2))(full, group_B * group)
+  return dict(payload=payload.at[layer].set(q), scale=scale.at[layer].set(s),
+              resid=resid.at[layer].set(r))
+
+
+def write(payload, scale, resid, layer, positions_BS, slots_BT, new_BTX, *,
+          group: int, fresh: bool):
+  """New (payload, scale, resid) stacks, as a dict, after writing one layer's
+  rows `new_BTX [B, T, ..., X]` at `slots_BT` (slot S: dropped). `fresh`: a
+  prefill, which takes the cache as empty."""
+  if slots_BT.shape[1] == 1 and not fresh:
+    return _write_one(payload, scale, resid, layer, slots_BT[:, 0],
+                      new_BTX[:, 0], group)
+  return _write_many(payload, scale, resid, layer, positions_BS, slots_BT,
+                     new_BTX, group, fresh)
+
+
+def read_keys(cache: KVCache, layer, dtype, prefix: int = 0):
+  """One layer's keys [B, K, S, H] of a KIVI `KVCache`."""
+  return read(cache.k, cache.k_scale, cache.k_resid, layer, cache.positions,
+              cache.policy.key_group, dtype, prefix)
 
 
 def write_keys(cache: KVCache, layer, slots_BT, k_BTKH, *,
                fresh: bool) -> dict[str, jax.Array]:
-  """New k, k_scale and k_resid (whole stacked arrays) after writing one
-  layer's keys at `slots` (slot S: dropped). `fresh`: prefill, the cache's
-  old contents are ignored."""
-  if slots_BT.shape[1] == 1 and not fresh:
-    return _write_one(cache, layer, slots_BT[:, 0], k_BTKH[:, 0])
-  return _write_many(cache, layer, slots_BT, k_BTKH, fresh)
+  """New k, k_scale and k_resid after writing one layer's keys."""
+  out = write(cache.k, cache.k_scale, cache.k_resid, layer, cache.positions,
+              slots_BT, k_BTKH, group=cache.policy.key_group, fresh=fresh)
+  return dict(k=out["payload"], k_scale=out["scale"], k_resid=out["resid"])
+

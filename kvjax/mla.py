@@ -20,25 +20,39 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kvjax import kivi
 from kvjax import quant
-from kvjax.attention import Step, accumulate_scores, _scatter_tokens
-from kvjax.cache import LatentCache
+from kvjax.attention import Step, accumulate_scores
+from kvjax.cache import LatentCache, scatter_tokens
 from kvjax.config import ModelConfig
 from kvjax.layers import apply_rope, merge_heads_out, rms_norm
 
 MLA_NORM_EPS = 1e-6  # DeepSeek hard-codes the q_a / kv_a norm eps.
 
 
-def write_latent(cache: LatentCache, layer, slots_BT, c_BTC, r_BTR):
-  """Stores one layer's latents and rotary keys at `slots`."""
+def write_latent(cache: LatentCache, layer, slots_BT, c_BTC, r_BTR, *,
+                 fresh: bool = False):
+  """Stores one layer's latents and rotary keys at `slots` (`fresh`: a
+  prefill, which takes the cache as empty)."""
+  if cache.policy.channel_keys:  # KIVI: per channel over token groups
+    new = {}
+    for x, (payload, scale, resid) in ((c_BTC, ("c_kv", "c_scale", "c_resid")),
+                                       (r_BTR, ("k_rope", "r_scale",
+                                                "r_resid"))):
+      out = kivi.write(getattr(cache, payload), getattr(cache, scale),
+                       getattr(cache, resid), layer, cache.positions,
+                       slots_BT, x, group=cache.policy.key_group, fresh=fresh)
+      new.update({payload: out["payload"], scale: out["scale"],
+                  resid: out["resid"]})
+    return cache.replace(**new)
   dtype = cache.c_kv.dtype
   c_q, c_s = quant.quantize(c_BTC, dtype)
   r_q, r_s = quant.quantize(r_BTR, dtype)
-  new = dict(c_kv=_scatter_tokens(cache.c_kv, layer, slots_BT, c_q, 2),
-             k_rope=_scatter_tokens(cache.k_rope, layer, slots_BT, r_q, 2))
+  new = dict(c_kv=scatter_tokens(cache.c_kv, layer, slots_BT, c_q, 2),
+             k_rope=scatter_tokens(cache.k_rope, layer, slots_BT, r_q, 2))
   if c_s is not None:
-    new["c_scale"] = _scatter_tokens(cache.c_scale, layer, slots_BT, c_s, 2)
-    new["r_scale"] = _scatter_tokens(cache.r_scale, layer, slots_BT, r_s, 2)
+    new["c_scale"] = scatter_tokens(cache.c_scale, layer, slots_BT, c_s, 2)
+    new["r_scale"] = scatter_tokens(cache.r_scale, layer, slots_BT, r_s, 2)
   return cache.replace(**new)
 
 
@@ -46,6 +60,12 @@ def read_latent(cache: LatentCache, layer, dtype, prefix: int = 0):
   """One layer's latents [B, S, C] and rotary keys [B, S, R] in `dtype`
   (only the first `prefix` slots when prefix > 0)."""
   P = prefix or cache.capacity
+  if cache.policy.channel_keys:
+    g = cache.policy.key_group
+    return (kivi.read(cache.c_kv, cache.c_scale, cache.c_resid, layer,
+                      cache.positions, g, dtype, P),
+            kivi.read(cache.k_rope, cache.r_scale, cache.r_resid, layer,
+                      cache.positions, g, dtype, P))
   c_s = None if cache.c_scale is None else cache.c_scale[layer, :, :P]
   r_s = None if cache.r_scale is None else cache.r_scale[layer, :, :P]
   return (quant.dequantize(cache.c_kv[layer, :, :P], c_s, dtype),
@@ -126,7 +146,8 @@ def mla_attention(p, x_BTD, step: Step, cache, layer, config: ModelConfig):
       c_BSC = jnp.concatenate([c_old, c_BSC], axis=1)
       r_BSR = jnp.concatenate([r_old, r_BSR], axis=1)
     if step.mode in ("prefill", "extend"):
-      cache = write_latent(cache, layer, step.slots, c_BTC, r_store_BTR)
+      cache = write_latent(cache, layer, step.slots, c_BTC, r_store_BTR,
+                           fresh=step.mode == "prefill")
 
   out_BTNV, probs_BNTS = latent_attend(p, q_nope_BTNP, q_rope_BTNR, c_BSC,
                                        r_BSR, step.mask, config.softmax_scale,

@@ -122,6 +122,11 @@ def cache_axes(cache) -> Any:
     payload = ("layers", "batch", "cache_seq", "latent")  # c_kv, k_rope
     scale = ("layers", "batch", "cache_seq")
     fields = dict(c_kv=payload, k_rope=payload, c_scale=scale, r_scale=scale)
+    if cache.policy.channel_keys:
+      # KIVI: per-channel scales per group, the float newest group.
+      group = ("layers", "batch", None, "latent")
+      fields.update(c_scale=group, r_scale=group, c_resid=group,
+                    r_resid=group)
   elif isinstance(cache, cache_lib.KVCache):
     payload = ("layers", "batch", "kv_heads", "cache_seq", "head_dim")
     scale = ("layers", "batch", "kv_heads", "cache_seq")

@@ -104,13 +104,10 @@ class ModelsTest(parameterized.TestCase):
                                                       jax.random.key(0)))
     B, ctx = 3, 64
     policy = bm.cache_policy(kv_dtype)
-    if kv_dtype not in bm.kinds_for(config):  # KIVI keys on MLA
-      with self.assertRaisesRegex(ValueError, "MLA"):
-        kvjax.init_cache(config, B, ctx, policy=policy)
-      return
     cache = jax.eval_shape(
         lambda: kvjax.init_cache(config, B, ctx, policy=policy))
-    leaves = ([cache.c_kv, cache.k_rope, cache.c_scale, cache.r_scale]
+    leaves = ([cache.c_kv, cache.k_rope, cache.c_scale, cache.r_scale,
+               cache.c_resid, cache.r_resid]
               if config.attention == "mla" else
               [cache.k, cache.v, cache.k_scale, cache.v_scale, cache.k_resid])
     cache_nbytes = sum(x.size * x.dtype.itemsize for x in leaves

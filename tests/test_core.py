@@ -207,8 +207,6 @@ class AttendBucketsTest(chex.TestCase, parameterized.TestCase):
 
   @parameterized.product(variant=VARIANTS, kind=("float32", "int8-kivi"))
   def test_buckets_change_nothing(self, variant, kind):
-    if variant == "mla" and kind == "int8-kivi":
-      kind = "int8"  # KIVI keys are GQA-family only
     from kvjax import benchmarking as bm  # pylint: disable=g-import-not-at-top
     config, params = tiny(variant), tiny_params(variant)
     B, T, new = 2, 16, 150

@@ -1,10 +1,11 @@
 """KIVI per-channel int8 keys (`CachePolicy(key_quant='channel')`).
 
 Invariant (kvjax/kivi.py): every complete key group is stored as
-`quant.quantize_groups` of its full-precision keys, the newest group is read
-exactly from the float32 residual. Layer 0's keys depend on the tokens only
-(not on earlier attention), so the float32 cache of the same tokens gives the
-exact full-precision keys to check against, whichever path wrote them:
+`quant.quantize_groups` of its full-precision rows, the newest group is read
+exactly from the float32 residual (GQA keys; MLA's latent and rotary key).
+Layer 0's rows depend on the tokens only (not on earlier attention), so the
+float32 cache of the same tokens gives the exact full-precision rows to
+check against, whichever path wrote them:
 prefill, decode steps, chunked prefill with chunks that straddle groups,
 left-padded ragged batches. Also: logits stay close to float32, the bytes
 formula equals the real arrays, bad policies raise naming the field.
@@ -51,26 +52,55 @@ def prefill_then_decode(variant, policy, tokens, n_prompt, mask=None):
   return jnp.stack(out, 1), cache
 
 
-def assert_invariant(test, cache, ref_k_BKSH, lengths):
-  """Layer 0 of a KIVI cache against the float32 keys of the same tokens
+def _triples(cache):
+  """(payload, scale, residual) stacks a KIVI cache quantizes per channel."""
+  if isinstance(cache, kvjax.LatentCache):
+    return [(cache.c_kv, cache.c_scale, cache.c_resid),
+            (cache.k_rope, cache.r_scale, cache.r_resid)]
+  return [(cache.k, cache.k_scale, cache.k_resid)]
+
+
+def _float_rows(cache):
+  """The same arrays of a float32 cache."""
+  if isinstance(cache, kvjax.LatentCache):
+    return [cache.c_kv, cache.k_rope]
+  return [cache.k]
+
+
+def _slots_first(x):
+  """[B, ..., S, X] -> [B, S, ..., X]."""
+  return jnp.moveaxis(x, -2, 1)
+
+
+def assert_invariant(test, cache, ref_cache, lengths):
+  """Layer 0 of a KIVI cache against the float32 rows of the same tokens
   (slots [0, n) filled for a sequence of n tokens)."""
-  q, scale = quant.quantize_groups(ref_k_BKSH, GROUP, -2)
-  got = kivi.read_keys(cache, 0, jnp.float32)
-  for b, n in enumerate(lengths):
-    newest = (n - 1) // GROUP
-    done = slice(0, newest * GROUP)
-    # Complete groups: the int8 values and scales of a one-shot quantization.
-    np.testing.assert_array_equal(cache.k[0, b, :, done], q[b, :, done])
-    np.testing.assert_allclose(cache.k_scale[0, b, :, :newest],
-                               scale[b, :, :newest], rtol=1e-6)
-    # The newest group is read exactly from the residual ...
-    new = slice(newest * GROUP, (newest + 1) * GROUP)
-    np.testing.assert_allclose(got[b, :, new], ref_k_BKSH[b, :, new],
-                               rtol=1e-6, atol=1e-7)
-    # ... and its int8 copy is already the group's quantization so far.
-    np.testing.assert_array_equal(cache.k[0, b, :, new], q[b, :, new])
-    # Empty slots hold zeros.
-    test.assertEqual(float(jnp.abs(cache.k[0, b, :, n:]).max(initial=0)), 0)
+  for (payload, scale, resid), ref in zip(_triples(cache),
+                                          _float_rows(ref_cache)):
+    ref = ref[0]
+    q, sc = quant.quantize_groups(ref, GROUP, -2)
+    got = kivi.read(payload, scale, resid, 0, cache.positions, GROUP,
+                    jnp.float32)
+    stored, q, sc = (_slots_first(payload[0]), _slots_first(q),
+                     _slots_first(sc))
+    got, ref_s = _slots_first(got), _slots_first(ref)
+    stored_scale = _slots_first(scale[0])
+    for b, n in enumerate(lengths):
+      newest = (n - 1) // GROUP
+      done = slice(0, newest * GROUP)
+      # Complete groups: the int8 values and scales of a one-shot
+      # quantization.
+      np.testing.assert_array_equal(stored[b, done], q[b, done])
+      np.testing.assert_allclose(stored_scale[b, :newest], sc[b, :newest],
+                                 rtol=1e-6)
+      # The newest group is read exactly from the residual ...
+      new = slice(newest * GROUP, (newest + 1) * GROUP)
+      np.testing.assert_allclose(got[b, new], ref_s[b, new], rtol=1e-6,
+                                 atol=1e-7)
+      # ... and its int8 copy is already the group's quantization so far.
+      np.testing.assert_array_equal(stored[b, new], q[b, new])
+      # Empty slots hold zeros.
+      test.assertEqual(float(jnp.abs(stored[b, n:]).max(initial=0)), 0)
 
 
 class QuantizeGroupsTest(parameterized.TestCase):
@@ -105,7 +135,8 @@ class QuantizeGroupsTest(parameterized.TestCase):
 
 class KiviCacheTest(chex.TestCase, parameterized.TestCase):
 
-  @parameterized.product(variant=("gqa", "mha", "mqa"), n_prompt=(3, 4, 9))
+  @parameterized.product(variant=("gqa", "mha", "mqa", "mla"),
+                         n_prompt=(3, 4, 9))
   def test_decode_keeps_the_invariant(self, variant, n_prompt):
     config = tiny(variant)
     n = 19
@@ -113,14 +144,14 @@ class KiviCacheTest(chex.TestCase, parameterized.TestCase):
     ref_logits, ref = prefill_then_decode(variant, kvjax.CachePolicy(),
                                           tokens, n_prompt)
     got_logits, cache = prefill_then_decode(variant, KIVI, tokens, n_prompt)
-    assert_invariant(self, cache, ref.k[0], [n] * B)
+    assert_invariant(self, cache, ref, [n] * B)
     chex.assert_tree_all_finite(got_logits)
     # Keys within int8 per-channel rounding: logits stay close to float32.
     self.assertLess(float(jnp.abs(got_logits - ref_logits).max()), 0.15)
 
-  @parameterized.parameters(1, 3, 5)
-  def test_chunked_prefill_keeps_the_invariant(self, chunk):
-    config, params = tiny("gqa"), tiny_params("gqa")
+  @parameterized.product(chunk=(1, 3, 5), variant=("gqa", "mla"))
+  def test_chunked_prefill_keeps_the_invariant(self, chunk, variant):
+    config, params = tiny(variant), tiny_params(variant)
     n = 13  # chunks of 3 and 5 straddle the groups of 4
     tokens = _tokens(config, n)
     _, ref = kvjax.prefill(params, config, tokens,
@@ -128,20 +159,22 @@ class KiviCacheTest(chex.TestCase, parameterized.TestCase):
     _, cache = kvjax.prefill_chunked(
         params, config, tokens, kvjax.init_cache(config, B, S, policy=KIVI),
         chunk)
-    assert_invariant(self, cache, ref.k[0], [n] * B)
+    assert_invariant(self, cache, ref, [n] * B)
 
-  def test_ragged_left_padded_batch(self):
-    config = tiny("gqa")
+  @parameterized.parameters("gqa", "mla")
+  def test_ragged_left_padded_batch(self, variant):
+    config = tiny(variant)
     tokens = _tokens(config, 14, batch=3)
     mask = np.ones((3, 6), bool)
     mask[0, :2] = False  # 4 real prompt tokens
     mask[1, :5] = False  # 1
-    _, ref = prefill_then_decode("gqa", kvjax.CachePolicy(), tokens, 6,
+    _, ref = prefill_then_decode(variant, kvjax.CachePolicy(), tokens, 6,
                                  jnp.asarray(mask))
-    _, cache = prefill_then_decode("gqa", KIVI, tokens, 6, jnp.asarray(mask))
+    _, cache = prefill_then_decode(variant, KIVI, tokens, 6,
+                                   jnp.asarray(mask))
     lengths = mask.sum(1) + 8
     np.testing.assert_array_equal(cache.length, lengths)
-    assert_invariant(self, cache, ref.k[0], lengths)
+    assert_invariant(self, cache, ref, lengths)
 
   def test_generate_runs_and_reports_bytes(self):
     config, params = tiny("gqa"), tiny_params("gqa")
@@ -172,11 +205,25 @@ class KiviCacheTest(chex.TestCase, parameterized.TestCase):
                                  policy=policy, return_cache=True)
     self.assertEqual(cache.capacity, 48)  # the power of two 16, rounded up
 
-  def test_sharding_axes_cover_the_new_fields(self):
-    cache = kvjax.init_cache(tiny("gqa"), B, S, policy=KIVI)
+  @parameterized.parameters("gqa", "mla")
+  def test_sharding_axes_cover_the_new_fields(self, variant):
+    cache = kvjax.init_cache(tiny(variant), B, S, policy=KIVI)
     axes = sharding.cache_axes(cache)
-    self.assertEqual(len(axes.k_resid), cache.k_resid.ndim)
-    self.assertEqual(len(axes.k_scale), cache.k_scale.ndim)
+    for (_, scale, resid), (_, scale_axes, resid_axes) in zip(
+        _triples(cache), _triples(axes)):
+      self.assertLen(scale_axes, scale.ndim)
+      self.assertLen(resid_axes, resid.ndim)
+
+  def test_mla_bytes(self):
+    config, params = tiny("mla"), tiny_params("mla")
+    _, _, cache = kvjax.generate(params, config, _tokens(config, 5), 4,
+                                 policy=KIVI, capacity=S, return_cache=True)
+    L, C, R = config.num_layers, config.kv_lora_rank, config.qk_rope_head_dim
+    per_token = kvjax.kv_bytes_per_token(config, "int8", key_group=GROUP)
+    self.assertEqual(per_token, L * ((C + R) + 4 * (C + R) // GROUP))
+    got = kvjax.cache_bytes(cache)
+    self.assertEqual(got["kv"], per_token * B * S)
+    self.assertEqual(got["residual"], L * B * GROUP * (C + R) * 4)
 
 
 class KiviBadInputTest(parameterized.TestCase):
@@ -196,10 +243,6 @@ class KiviBadInputTest(parameterized.TestCase):
   def test_capacity_not_a_multiple_of_the_group(self):
     with self.assertRaisesRegex(ValueError, "multiple of key_group=4"):
       kvjax.init_cache(tiny("gqa"), B, 30, policy=KIVI)
-
-  def test_mla_is_refused(self):
-    with self.assertRaisesRegex(ValueError, "key_quant='token' for MLA"):
-      kvjax.init_cache(tiny("mla"), B, S, policy=KIVI)
 
   def test_bytes_formula_refuses_non_int8(self):
     with self.assertRaisesRegex(ValueError, "key_group"):
