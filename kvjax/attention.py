@@ -115,17 +115,21 @@ def write_kv(cache: cache_lib.KVCache, layer, slots_BT, k_BTKH, v_BTKH, *,
   """Stores one layer's new keys and values at `slots` (quantized if asked;
   `fresh`: a prefill, which takes the cache as empty)."""
   dtype = cache.k.dtype
+
+  def put(arr, new_BT):  # per-head arrays: slot axis 3
+    return cache_lib.scatter_tokens(arr, layer, slots_BT, new_BT, 3)
+
   v_q, v_s = quant.quantize(v_BTKH, dtype)
-  new = dict(v=cache_lib.scatter_tokens(cache.v, layer, slots_BT, v_q, 3))
+  new = dict(v=put(cache.v, v_q))
   if v_s is not None:
-    new["v_scale"] = cache_lib.scatter_tokens(cache.v_scale, layer, slots_BT, v_s, 3)
+    new["v_scale"] = put(cache.v_scale, v_s)
   if cache.policy.channel_keys:
     new.update(kivi.write_keys(cache, layer, slots_BT, k_BTKH, fresh=fresh))
     return cache.replace(**new)
   k_q, k_s = quant.quantize(k_BTKH, dtype)
-  new["k"] = cache_lib.scatter_tokens(cache.k, layer, slots_BT, k_q, 3)
+  new["k"] = put(cache.k, k_q)
   if k_s is not None:
-    new["k_scale"] = cache_lib.scatter_tokens(cache.k_scale, layer, slots_BT, k_s, 3)
+    new["k_scale"] = put(cache.k_scale, k_s)
   return cache.replace(**new)
 
 
