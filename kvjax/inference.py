@@ -138,8 +138,10 @@ def _pin(shardings, logits, cache):
   step's output sharding is the next step's input sharding: one compile."""
   if shardings is None:
     return logits, cache
-  axes = ("batch",) + (None,) * (logits.ndim - 2) + ("vocab",)
-  return shardings.constrain(logits, axes), shardings.constrain_cache(cache)
+  if logits is not None:
+    axes = ("batch",) + (None,) * (logits.ndim - 2) + ("vocab",)
+    logits = shardings.constrain(logits, axes)
+  return logits, shardings.constrain_cache(cache)
 
 
 @functools.partial(jax.jit,
@@ -400,7 +402,9 @@ def _generate(params, config, tokens, mask, cache, rng, steps, sampler,
       toks.append(t_SB)
       logits.append(l_SBV)
       start += n
-    cache = carry[1]
+    # The loop's result carries whatever sharding propagation chose for it;
+    # pin it to the plan like every step's (no-op without shardings).
+    cache = pin(None, carry[1])[1]
     toks_SB = jnp.concatenate(toks, axis=0)
     logits_SBV = jnp.concatenate(logits, axis=0) if return_logits else None
     toks_BS = jnp.concatenate([tok0[:, None], toks_SB.T], axis=1)
@@ -437,6 +441,7 @@ def _generate(params, config, tokens, mask, cache, rng, steps, sampler,
   state = (jnp.int32(0), logits_BV, cache, jnp.zeros((B,), bool), out_BS,
            out_logits)
   _, _, cache, _, out_BS, out_logits = jax.lax.while_loop(cond, body, state)
+  cache = pin(None, cache)[1]
   return out_BS, (out_logits if return_logits else None), cache
 
 

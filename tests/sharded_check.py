@@ -144,8 +144,13 @@ def expected_shard_shape(config, mesh, kv_fallback, name, shape):
   return tuple(out)
 
 
+KIVI = kvjax.CachePolicy(kv_dtype="int8", key_quant="channel", key_group=8)
+CACHES = dict(float32=kvjax.CachePolicy(), kivi=KIVI)
+
+
 def check_case(config, params, mesh_shape, ref, prompt, kv_fallback="seq",
-               sampler=kvjax.GREEDY, stop_tokens=(), layout="stacked"):
+               sampler=kvjax.GREEDY, stop_tokens=(), layout="stacked",
+               cache_kind="float32"):
   """One (mesh, variant) case; returns a JSON-able dict."""
   tokens, mask = prompt
   mesh = sharding.make_mesh(mesh_shape)
@@ -157,10 +162,11 @@ def check_case(config, params, mesh_shape, ref, prompt, kv_fallback="seq",
   toks, logits, cache = kvjax.generate(
       sp, config, tokens, _NEW.value, attention_mask=mask, sampler=sampler,
       rng=jax.random.key(3), stop_tokens=stop_tokens, pad_id=0,
-      return_logits=True, return_cache=True, shardings=p)
+      return_logits=True, return_cache=True, shardings=p,
+      policy=CACHES[cache_kind])
   ref_toks, ref_logits = ref
   out = dict(mesh=list(mesh_shape), variant=config.variant,
-             kv_fallback=kv_fallback, layout=layout,
+             kv_fallback=kv_fallback, layout=layout, cache=cache_kind,
              table=sharding.describe(p),
              sampler=str(sampler), stop_tokens=list(stop_tokens))
   out["tokens_equal"] = bool((np.asarray(toks) == np.asarray(ref_toks)).all())
@@ -187,6 +193,13 @@ def check_case(config, params, mesh_shape, ref, prompt, kv_fallback="seq",
       if got != {want}:
         bad.append(f"{name}: shards {sorted(got)} != {want}")
       if not leaf.sharding.is_equivalent_to(
+          getattr(p.cache_shardings(c), name), leaf.ndim):
+        bad.append(f"{name}: sharding {leaf.sharding} differs from the plan")
+    # Scales and KIVI's residual groups: as the plan says.
+    for name in ("k_scale", "v_scale", "c_scale", "r_scale", "k_resid",
+                 "c_resid", "r_resid"):
+      leaf = getattr(c, name, None)
+      if leaf is not None and not leaf.sharding.is_equivalent_to(
           getattr(p.cache_shardings(c), name), leaf.ndim):
         bad.append(f"{name}: sharding {leaf.sharding} differs from the plan")
     return bad
@@ -261,6 +274,12 @@ def run_check():
       # A 3-D mesh: the cache slots over 'seq' as well.
       print(json.dumps(check_case(config, params, (2, 2, 2), (toks, logits),
                                   prompt)), flush=True)
+      # KIVI keys (per-channel scales, float residual groups) in shards.
+      ref = kvjax.generate(params, config, prompt[0], _NEW.value,
+                           attention_mask=prompt[1], policy=KIVI,
+                           return_logits=True)[:2]
+      print(json.dumps(check_case(config, params, (2, 4), ref, prompt,
+                                  cache_kind="kivi")), flush=True)
     if variant == "mqa":
       # The other fallback: the single kv head copied to every model shard.
       print(json.dumps(check_case(config, params, (1, 8), (toks, logits),
