@@ -529,8 +529,8 @@ def decode_step_seconds(params, config: ModelConfig, batch: int,
                      f" {steps}")
   need = position + steps * (warmup + repeats)
   policy = cache_policy(kv_dtype)
-  if policy.channel_keys and not capacity:  # whole key groups
-    need = -(-need // policy.key_group) * policy.key_group
+  if not capacity:
+    need = policy.round_capacity(need)
   capacity = capacity or need
   if capacity < need:
     raise ValueError(f"capacity={capacity} < {need} slots the run needs")

@@ -143,6 +143,12 @@ class CachePolicy:
     """True when old tokens are evicted instead of overflowing."""
     return self.eviction != "none"
 
+  def round_capacity(self, capacity: int) -> int:
+    """The smallest valid capacity >= `capacity` (whole KIVI key groups)."""
+    if self.channel_keys:
+      return -(-capacity // self.key_group) * self.key_group
+    return capacity
+
   def validate_capacity(self, capacity: int) -> None:
     if capacity < 1:
       raise ValueError(f"capacity must be >= 1, got {capacity}")

@@ -455,9 +455,8 @@ def _generate_args(params, config, tokens, max_new_tokens, attention_mask,
   n_max = int(np.asarray(mask).sum(axis=1).max())
   policy = policy or cache_lib.CachePolicy()
   if capacity is None:
-    capacity = default_capacity(tokens.shape[1], max_new_tokens)
-    if policy.channel_keys:  # whole KIVI key groups
-      capacity = -(-capacity // policy.key_group) * policy.key_group
+    capacity = policy.round_capacity(
+        default_capacity(tokens.shape[1], max_new_tokens))
   if shardings is not None:
     shardings.check_config(config)
     cache = shardings.init_cache(B, capacity, policy=policy)
