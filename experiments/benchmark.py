@@ -97,10 +97,11 @@ _SWEEP_CONTEXTS = flags.DEFINE_list(
 _SWEEP_BATCHES = flags.DEFINE_list("sweep_batches", ["1", "8"],
                                    "Batches of the sweep.")
 _LAYERS = flags.DEFINE_enum(
-    "layers", "unrolled", ["scan", "unrolled"],
-    "Layer loop: 'scan' (stacked weights; compile time independent of "
-    "depth) or 'unrolled' (kvjax.model.unstack_layers: weights read in place,"
-    " faster on CPU; compile time grows with depth).")
+    "layers", "packed", list(packed.LAYOUTS),
+    "Params layout (kvjax.packed.layout): 'scan' (stacked weights; compile "
+    "time independent of depth), 'unrolled' (kvjax.model.unstack_layers: "
+    "weights read in place; compile time grows with depth) or 'packed' "
+    "(unrolled, fused [out, in] projections: fastest decode on CPU).")
 _SWEEP_DTYPES = flags.DEFINE_list("sweep_dtypes", list(KV_DTYPES),
                                   "Cache kinds of the sweep: kv dtypes "
                                   "(float32, bfloat16, float16, int8) or "
@@ -122,9 +123,8 @@ def _variant_config(variant: str, **overrides) -> kvjax.ModelConfig:
 
 def _params(config, layers=None):
   params = kvjax.init_params(config, jax.random.key(0))
-  if (layers or _LAYERS.value) == "unrolled":
-    params = model.unstack_layers(params)
-  return jax.block_until_ready(params)
+  return jax.block_until_ready(
+      packed.layout(params, config, layers or _LAYERS.value))
 
 
 def _prompt(config, batch, length):
@@ -320,8 +320,8 @@ def compile_times(config, batch, length, layers):
     c = config.replace(num_layers=depth)
     params = jax.eval_shape(lambda c=c: kvjax.init_params(c,
                                                           jax.random.key(0)))
-    if layers == "unrolled":
-      params = jax.eval_shape(model.unstack_layers, params)
+    params = jax.eval_shape(
+        lambda p, c=c: packed.layout(p, c, layers), params)
     cache = jax.eval_shape(lambda c=c: kvjax.init_cache(c, batch, 2 * length))
     tok = jax.ShapeDtypeStruct((batch, length), jnp.int32)
     mask = jax.ShapeDtypeStruct((batch, length), jnp.bool_)

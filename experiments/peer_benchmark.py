@@ -8,7 +8,8 @@ saves it as safetensors, loads the same weights into kvjax with
 `kvjax.load_checkpoint`, checks that both give the same prefill logits and
 greedy tokens, then times both alternately in one run (kvjax generate,
 kvjax prefill, transformers generate, transformers prefill, repeated; warm-up
-excluded; medians) at every batch. Decode tokens/s = B·(new − 1) /
+excluded; medians) at every batch, for every kvjax params layout (scan,
+unrolled, packed: kvjax.packed). Decode tokens/s = B·(new − 1) /
 (t_generate − t_prefill), the same definition for both; prefill = a
 generate of one token. Prints the ratios, writes peer.json and peer.png.
 
@@ -36,7 +37,7 @@ import kvjax  # pylint: disable=g-import-not-at-top
 from kvjax import benchmarking as bm  # pylint: disable=g-import-not-at-top
 from kvjax import configs as cfg_lib  # pylint: disable=g-import-not-at-top
 from kvjax import inference  # pylint: disable=g-import-not-at-top
-from kvjax import model  # pylint: disable=g-import-not-at-top
+from kvjax import packed  # pylint: disable=g-import-not-at-top
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", os.path.join(os.path.dirname(__file__), "..", "configs",
@@ -105,9 +106,10 @@ def main(argv):
   with tempfile.TemporaryDirectory() as tmp:
     hf_model.save_pretrained(tmp, safe_serialization=True)
     kv_config, params = kvjax.load_checkpoint(tmp)
-  # Both layer layouts (see kvjax.model.unstack_layers), timed side by side.
-  layouts = dict(scan=jax.block_until_ready(params),
-                 unrolled=jax.block_until_ready(model.unstack_layers(params)))
+  # Every params layout (kvjax.packed.LAYOUTS), timed side by side.
+  layouts = {name: jax.block_until_ready(packed.layout(params, kv_config,
+                                                       name))
+             for name in packed.LAYOUTS}
   logging.info("preset %s: %.1fM params; torch %s (%d threads, "
                "OMP_WAIT_POLICY=%s), transformers %s, attn %s",
                _CONFIG.value.preset, kvjax.param_count(kv_config) / 1e6,
@@ -189,15 +191,15 @@ def main(argv):
   os.makedirs(_WORKDIR.value, exist_ok=True)
   with open(os.path.join(_WORKDIR.value, "peer.json"), "w") as f:
     json.dump(results, f, indent=1, default=float)
-  fig, ax = plt.subplots(figsize=(5, 3.5))
+  fig, ax = plt.subplots(figsize=(6, 3.5))
   bs = list(results["batches"])
   x = np.arange(len(bs))
   whos = [f"kvjax_{lay}" for lay in layouts] + ["hf"]
   for i, who in enumerate(whos):
-    ax.bar(x + 0.27 * i, [results["batches"][b][f"{who}_decode_tokens_per_s"]
-                          for b in bs], 0.27,
+    ax.bar(x + 0.2 * i, [results["batches"][b][f"{who}_decode_tokens_per_s"]
+                         for b in bs], 0.2,
            label=who.replace("_", " ") if who != "hf" else "transformers")
-  ax.set(xticks=x + 0.27, xticklabels=[f"batch {b}" for b in bs],
+  ax.set(xticks=x + 0.3, xticklabels=[f"batch {b}" for b in bs],
          ylabel="decode tokens/s",
          title=f"{_CONFIG.value.preset}: same weights, same run")
   ax.legend()

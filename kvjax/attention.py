@@ -17,7 +17,7 @@ from kvjax import cache as cache_lib
 from kvjax import kivi
 from kvjax import quant
 from kvjax.config import ModelConfig
-from kvjax.layers import apply_rope, merge_heads_out
+from kvjax.layers import apply_rope, linear_t, merge_heads_out
 
 MODES = ("forward", "prefill", "extend", "decode")
 
@@ -168,7 +168,8 @@ def gqa_attention(p, x_BTD, step: Step, cache, layer, config: ModelConfig):
 
   Args:
     p: this layer's params: q [D,N,H], k, v [D,K,H], o [N,H,D], optional
-      q_bias [N,H], k_bias, v_bias [K,H], o_bias [D].
+      q_bias [N,H], k_bias, v_bias [K,H], o_bias [D]; or, packed
+      (`kvjax.packed`), qkv_t [(N+2K)·H, D] and o_t [D, N·H] for q/k/v/o.
     x_BTD: normalized input.
     step: the call context.
     cache: KVCache or None (mode 'forward').
@@ -179,9 +180,16 @@ def gqa_attention(p, x_BTD, step: Step, cache, layer, config: ModelConfig):
   B, T, _ = x_BTD.shape
   K, G, H = config.num_kv_heads, config.groups, config.head_dim
   dtype = x_BTD.dtype
-  q_BTNH = jnp.einsum("BTD,DNH->BTNH", x_BTD, p["q"])
-  k_BTKH = jnp.einsum("BTD,DKH->BTKH", x_BTD, p["k"])
-  v_BTKH = jnp.einsum("BTD,DKH->BTKH", x_BTD, p["v"])
+  N = config.num_heads
+  if "qkv_t" in p:  # kvjax.packed: one fused [out, in] product
+    qkv_BTX = linear_t(x_BTD, p["qkv_t"])
+    q_BTNH = qkv_BTX[..., :N * H].reshape(B, T, N, H)
+    k_BTKH = qkv_BTX[..., N * H:(N + K) * H].reshape(B, T, K, H)
+    v_BTKH = qkv_BTX[..., (N + K) * H:].reshape(B, T, K, H)
+  else:
+    q_BTNH = jnp.einsum("BTD,DNH->BTNH", x_BTD, p["q"])
+    k_BTKH = jnp.einsum("BTD,DKH->BTKH", x_BTD, p["k"])
+    v_BTKH = jnp.einsum("BTD,DKH->BTKH", x_BTD, p["v"])
   if "q_bias" in p:
     q_BTNH += p["q_bias"][None, None]
     k_BTKH += p["k_bias"][None, None]
@@ -215,7 +223,10 @@ def gqa_attention(p, x_BTD, step: Step, cache, layer, config: ModelConfig):
                             config.softmax_scale, config.attention_impl)
   if cache is not None:
     cache = accumulate_scores(cache, probs, step)
-  y_BTD = merge_heads_out(out_BTKGH.reshape(B, T, K * G, H), p["o"])
+  if "o_t" in p:
+    y_BTD = linear_t(out_BTKGH.reshape(B, T, N * H), p["o_t"])
+  else:
+    y_BTD = merge_heads_out(out_BTKGH.reshape(B, T, N, H), p["o"])
   if "o_bias" in p:
     y_BTD += p["o_bias"][None, None]
   return y_BTD, cache

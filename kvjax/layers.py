@@ -36,6 +36,42 @@ def merge_heads_out(out_BTNH, w_NHD):
   return out_BTNH.reshape(B, T, N * H) @ w_ND
 
 
+# Row counts up to this use the weight-on-the-left product in `linear_t`.
+SKINNY_ROWS = 64
+
+
+def linear_t(x, w_OI, preferred_element_type=None):
+  """x @ w_OI.T for a weight stored [out, in] (O, I: its two dims), as in
+  the packed decode layout of `kvjax.packed`. x [..., I] -> [..., O].
+
+  Why this form: for decode's few rows (batch 1 or a few sequences), XLA's
+  CPU dot reads an [out, in] weight fastest as the left operand (`W @ x`:
+  each output is a contiguous row dot product). Medium's decode weights
+  read at 32 GB/s that way against 24 GB/s for `x @ W` on [in, out], and
+  the 8-row products are 1.3x faster (WORKSPACE.md). Left alone, XLA's
+  simplifier rewrites `(W @ x.T).T` as `x @ W.T` and then transposes W
+  inside the dot fusion, a strided read of every weight on every step; the
+  optimization barrier keeps the product as written. It changes no values,
+  and on other backends it only fixes the operand order. Above
+  `SKINNY_ROWS` rows (prefill) the product is a real GEMM and the plain
+  `x @ W.T` is as fast (8x128 medium prefill: 917 vs 900 ms canonical)
+  while the barrier form's transposes cost 24%.
+
+  `preferred_element_type`: the product's dtype (as in `jnp.matmul`).
+  """
+  lead, n_out = x.shape[:-1], w_OI.shape[0]
+  rows = x.reshape(-1, x.shape[-1])
+  dot = lambda a, b: jnp.matmul(a, b,
+                                preferred_element_type=preferred_element_type)
+  if rows.shape[0] == 1:  # a matrix-vector product
+    return jax.lax.optimization_barrier(dot(w_OI, rows[0])).reshape(*lead,
+                                                                  n_out)
+  if rows.shape[0] > SKINNY_ROWS:
+    return dot(rows, w_OI.T).reshape(*lead, n_out)
+  return jax.lax.optimization_barrier(dot(w_OI, rows.T)).T.reshape(*lead,
+                                                                   n_out)
+
+
 def swiglu(x, w_gate, w_up, w_down):
   """SwiGLU MLP. x [..., D]; w_gate, w_up [D, F]; w_down [F, D]."""
   h = jax.nn.silu(x @ w_gate) * (x @ w_up)

@@ -1,8 +1,10 @@
 """The decoder: parameters, one block, the layer scan, and the four ways of
 calling it (no-cache forward, prefill, extend, decode step).
 
-Parameters are a plain pytree; weights are stored `[in, out]` (x @ W reads
-rows contiguously: ~20x faster for batch-1 decode on CPU than `[out, in]`).
+Parameters are a plain pytree; weights are stored `[in, out]` (x @ W), the
+layout training, checkpoints and the sharding table use. `kvjax.packed`
+re-lays them out for decode (fused, `[out, in]`); every function here takes
+both.
 Layers are stacked along a leading L axis and run by `jax.lax.scan`, so
 compile time does not grow with depth. DeepSeek models with dense layers
 below MoE layers have two stacks ('layers', then 'moe_layers'), scanned one
@@ -27,9 +29,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import cache as cache_lib
+from kvjax import packed as packed_lib
 from kvjax.attention import Step, gqa_attention
 from kvjax.config import ModelConfig
-from kvjax.layers import rms_norm, rope_tables, swiglu
+from kvjax.layers import linear_t, rms_norm, rope_tables, swiglu
 from kvjax.mla import mla_attention
 
 
@@ -123,8 +126,13 @@ def param_count(config: ModelConfig) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def _expected_param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-  tree = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+def _expected_param_shapes(config: ModelConfig,
+                           packed: bool = False) -> dict[str, tuple[int, ...]]:
+  init = lambda: init_params(config, jax.random.key(0))
+  if packed:
+    tree = jax.eval_shape(lambda: packed_lib.pack(init(), config))
+  else:
+    tree = jax.eval_shape(init)
   return {jax.tree_util.keystr(path): tuple(leaf.shape) for path, leaf in
           jax.tree_util.tree_flatten_with_path(tree)[0]}
 
@@ -154,10 +162,13 @@ def check_params(params, config: ModelConfig) -> None:
 
   Catches params built for another config, e.g. an MLA nope/rope/v split or a
   q_lora_rank that does not match the projections, before any compute. Shapes
-  only, so it also accepts tracers and `jax.ShapeDtypeStruct`s.
+  only, so it also accepts tracers and `jax.ShapeDtypeStruct`s. Packed params
+  (`kvjax.packed.pack`) are checked against the packed shapes.
   """
-  expected = _expected_param_shapes(config)
-  leaves, _ = jax.tree_util.tree_flatten_with_path(_stacked_view(params))
+  packed = packed_lib.is_packed(params)
+  expected = _expected_param_shapes(config, packed)
+  leaves, _ = jax.tree_util.tree_flatten_with_path(
+      params if packed else _stacked_view(params))
   got = {jax.tree_util.keystr(path): tuple(np.shape(leaf))
          for path, leaf in leaves}
   missing = sorted(set(expected) - set(got))
@@ -179,6 +190,11 @@ def _mlp(p, x_BTD, config: ModelConfig):
   if "router" in p:
     from kvjax import moe as moe_lib  # pylint: disable=g-import-not-at-top
     return moe_lib.moe_mlp(p, x_BTD, config)
+  if "gate_up_t" in p:  # kvjax.packed
+    gate_up_BTF = linear_t(x_BTD, p["gate_up_t"])
+    F = gate_up_BTF.shape[-1] // 2
+    h_BTF = jax.nn.silu(gate_up_BTF[..., :F]) * gate_up_BTF[..., F:]
+    return linear_t(h_BTF, p["down_t"])
   return swiglu(x_BTD, p["gate"], p["up"], p["down"])
 
 
@@ -272,6 +288,9 @@ def unembed(params, x_BTD, config: ModelConfig):
   """Final norm and LM head; float32 logits [B, T, V]."""
   x_BTD = rms_norm(x_BTD, params["final_norm"].astype(config.dtype),
                    config.rms_norm_eps)
+  if packed_lib.is_packed(params):  # [V, D]: the tied embed or lm_head_t
+    w_VD = params.get("lm_head_t", params["embed"]).astype(config.dtype)
+    return linear_t(x_BTD, w_VD, preferred_element_type=jnp.float32)
   if "lm_head" in params:
     w_DV = params["lm_head"].astype(config.dtype)
     return jnp.einsum("BTD,DV->BTV", x_BTD, w_DV,

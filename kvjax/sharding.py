@@ -103,6 +103,14 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "mlp/gate": ("embed", "mlp"),
     "mlp/up": ("embed", "mlp"),
     "mlp/down": ("mlp", "embed"),
+    # kvjax.packed: fused [out, in] weights. A fused axis mixes heads (or
+    # gate and up), so it stays replicated; the contracted axes shard as
+    # above.
+    "attn/qkv_t": (None, "embed"),
+    "attn/o_t": ("embed", None),
+    "mlp/gate_up_t": (None, "embed"),
+    "mlp/down_t": ("embed", "mlp"),
+    "lm_head_t": ("vocab", "embed"),
 }
 LAYER_STACKS = ("layers", "moe_layers")
 

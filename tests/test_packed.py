@@ -1,0 +1,215 @@
+"""Packed decode params (`kvjax.packed`): fused, [out, in] weights.
+
+Invariants: packing changes the layout, never the function. For every
+variant (and tied heads, q/k/v/o biases, MoE stacks, quantized caches) the
+packed params give the canonical logits for forward, prefill and each decode
+step, and the same greedy tokens. The packed weights are the canonical ones
+transposed and concatenated (checked value by value); a packed decode step
+runs 4 weight products per dense layer instead of 7; bad params raise naming
+the problem.
+"""
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import kvjax
+from kvjax import benchmarking as bm
+from kvjax import layers
+from kvjax import model
+from kvjax import packed
+from kvjax import sharding
+from tiny_models import VARIANTS, tiny, tiny_params
+
+S = 24
+
+
+def _tokens(config, shape, seed=1):
+  return jax.random.randint(jax.random.key(seed), shape, 0, config.vocab_size)
+
+
+def _config_and_params(variant, **overrides):
+  if not overrides:
+    return tiny(variant), tiny_params(variant)
+  config = tiny(variant).replace(**overrides)
+  return config, kvjax.init_params(config, jax.random.key(0))
+
+
+def _dots(fn, *args):
+  """Number of dot_general equations in fn's jaxpr, nested ones included."""
+  return str(jax.make_jaxpr(fn)(*args)).count("dot_general[")
+
+
+class LinearTTest(parameterized.TestCase):
+
+  @parameterized.parameters(1, 3, 8, layers.SKINNY_ROWS,
+                            layers.SKINNY_ROWS + 1, 200)
+  def test_equals_matmul_with_transposed_weight(self, rows):
+    x = jax.random.normal(jax.random.key(0), (rows, 1, 24))
+    w_OI = jax.random.normal(jax.random.key(1), (40, 24))
+    y = jax.jit(layers.linear_t)(x, w_OI)
+    chex.assert_shape(y, (rows, 1, 40))
+    np.testing.assert_allclose(y, x @ w_OI.T, rtol=1e-5, atol=1e-5)
+
+  def test_preferred_element_type(self):
+    x = jax.random.normal(jax.random.key(0), (2, 16)).astype(jnp.bfloat16)
+    w_OI = jax.random.normal(jax.random.key(1), (8, 16)).astype(jnp.bfloat16)
+    y = layers.linear_t(x, w_OI, preferred_element_type=jnp.float32)
+    self.assertEqual(y.dtype, jnp.float32)
+    ref = jnp.matmul(x, w_OI.T, preferred_element_type=jnp.float32)
+    np.testing.assert_allclose(y, ref, rtol=1e-2)
+
+  @parameterized.parameters(1, 8)
+  def test_skinny_products_keep_the_weight_on_the_left(self, rows):
+    # The reason for linear_t (layers.py): the weight is the dot's first
+    # operand, fenced by an optimization barrier so XLA keeps it there.
+    jaxpr = jax.make_jaxpr(layers.linear_t)(jnp.ones((rows, 24)),
+                                            jnp.ones((40, 24))).jaxpr
+    dots = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+    self.assertLen(dots, 1)
+    self.assertEqual(dots[0].invars[0].aval.shape, (40, 24))
+    self.assertIn("optimization_barrier",
+                  [e.primitive.name for e in jaxpr.eqns])
+
+
+class PackedTest(parameterized.TestCase):
+
+  # q/k/v/o biases exist for the GQA family only (MLA's config rejects them).
+  @parameterized.parameters(
+      [(v, e) for v in VARIANTS for e in ("plain", "tied")] +
+      [(v, "biases") for v in VARIANTS if v != "mla"])
+  def test_same_logits_and_tokens(self, variant, extra):
+    overrides = dict(plain={}, tied=dict(tie_embeddings=True),
+                     biases=dict(qkv_bias=True, o_bias=True))[extra]
+    config, params = _config_and_params(variant, **overrides)
+    pk = packed.pack(params, config)
+    self.assertTrue(packed.is_packed(pk))
+    tokens = _tokens(config, (2, 10))
+    full = kvjax.forward(params, config, tokens)
+    chex.assert_trees_all_close(kvjax.forward(pk, config, tokens), full,
+                                atol=1e-5, rtol=1e-5)
+    cache = kvjax.init_cache(config, 2, S)
+    logits, cache = kvjax.prefill(pk, config, tokens[:, :6], cache,
+                                  all_logits=True)
+    chex.assert_trees_all_close(logits, full[:, :6], atol=1e-5, rtol=1e-5)
+    for t in range(6, 10):
+      step, cache = kvjax.decode_step(pk, config, tokens[:, t], cache)
+      chex.assert_trees_all_close(step, full[:, t], atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(
+        kvjax.generate(pk, config, tokens[:, :5], 8),
+        kvjax.generate(params, config, tokens[:, :5], 8))
+
+  @parameterized.parameters("gqa", "mla")
+  def test_quantized_caches(self, variant):
+    config, params = tiny(variant), tiny_params(variant)
+    pk = packed.pack(params, config)
+    tokens = _tokens(config, (2, 6))
+    for kind in ("bfloat16", "int8", "int8-kivi"):
+      policy = bm.cache_policy(kind)
+      cap = policy.round_capacity(32)
+      a = kvjax.generate(params, config, tokens, 10, capacity=cap,
+                         policy=policy, return_logits=True)
+      b = kvjax.generate(pk, config, tokens, 10, capacity=cap,
+                         policy=policy, return_logits=True)
+      np.testing.assert_array_equal(a[0], b[0], err_msg=kind)
+      chex.assert_trees_all_close(a[1], b[1], atol=1e-4, rtol=1e-4)
+
+  def test_moe_stacks(self):
+    config = tiny("gqa").replace(moe=kvjax.MoEConfig(
+        num_experts=4, experts_per_token=2, expert_dim=32,
+        first_dense_layers=1))
+    params = kvjax.init_params(config, jax.random.key(0))
+    pk = packed.pack(params, config)
+    self.assertIn("gate_up_t", pk["layers"][0]["mlp"])
+    self.assertIn("router", pk["moe_layers"][0]["mlp"])  # experts kept
+    self.assertIn("qkv_t", pk["moe_layers"][0]["attn"])
+    tokens = _tokens(config, (2, 9))
+    chex.assert_trees_all_close(kvjax.forward(pk, config, tokens),
+                                kvjax.forward(params, config, tokens),
+                                atol=1e-5, rtol=1e-5)
+
+  @parameterized.parameters(*VARIANTS)
+  def test_packed_weights_are_the_canonical_ones(self, variant):
+    config, params = tiny(variant), tiny_params(variant)
+    pk = packed.pack(params, config)
+    D, F, L = config.embed_dim, config.mlp_dim, config.num_layers
+    self.assertLen(pk["layers"], L)
+    for i, p in enumerate(pk["layers"]):
+      mlp = params["layers"]["mlp"]
+      np.testing.assert_array_equal(
+          p["mlp"]["gate_up_t"],
+          np.concatenate([mlp["gate"][i], mlp["up"][i]], 1).T)
+      np.testing.assert_array_equal(p["mlp"]["down_t"], mlp["down"][i].T)
+      attn = params["layers"]["attn"]
+      if variant == "mla":
+        self.assertNotIn("qkv_t", p["attn"])
+        chex.assert_trees_all_equal(
+            p["attn"], jax.tree_util.tree_map(lambda w, i=i: w[i], attn))
+        continue
+      N, K, H = config.num_heads, config.num_kv_heads, config.head_dim
+      chex.assert_shape(p["attn"]["qkv_t"], ((N + 2 * K) * H, D))
+      np.testing.assert_array_equal(
+          p["attn"]["qkv_t"],
+          np.concatenate([attn[n][i].reshape(D, -1) for n in "qkv"], 1).T)
+      np.testing.assert_array_equal(p["attn"]["o_t"],
+                                    attn["o"][i].reshape(N * H, D).T)
+    chex.assert_shape(pk["layers"][0]["mlp"]["down_t"], (D, F))
+    np.testing.assert_array_equal(pk["lm_head_t"], params["lm_head"].T)
+    np.testing.assert_array_equal(pk["embed"], params["embed"])
+    self.assertEqual(bm.param_bytes(pk), bm.param_bytes(params))
+
+  def test_decode_step_runs_fewer_weight_products(self):
+    config, params = tiny("gqa"), tiny_params("gqa")
+    pk = packed.pack(params, config)
+    L = config.num_layers
+    cache = kvjax.init_cache(config, 1, S)
+    token = jnp.zeros((1,), jnp.int32)
+    canonical = _dots(lambda p, c: model.decode_logits(p, config, token, c),
+                      model.unstack_layers(params), cache)
+    fused = _dots(lambda p, c: model.decode_logits(p, config, token, c),
+                  pk, cache)
+    # Per layer: q, k, v, o, gate, up, down -> qkv, o, gate_up, down; the
+    # two attention products and the head are common.
+    self.assertEqual(canonical - fused, 3 * L)
+    self.assertEqual(fused, L * (4 + 2) + 1)
+
+  def test_sharding_axes_cover_packed_weights(self):
+    config, params = tiny("gqa"), tiny_params("gqa")
+    axes = sharding.param_axes(packed.pack(params, config))
+    self.assertEqual(axes["layers"][0]["attn"]["qkv_t"], (None, "embed"))
+    self.assertEqual(axes["layers"][0]["mlp"]["down_t"], ("embed", "mlp"))
+    self.assertEqual(axes["lm_head_t"], ("vocab", "embed"))
+
+  def test_layouts(self):
+    config, params = tiny("gqa"), tiny_params("gqa")
+    self.assertIs(packed.layout(params, config, "scan"), params)
+    self.assertIsInstance(
+        packed.layout(params, config, "unrolled")["layers"], tuple)
+    self.assertTrue(packed.is_packed(packed.layout(params, config, "packed")))
+    self.assertFalse(packed.is_packed(params))
+    self.assertFalse(packed.is_packed(model.unstack_layers(params)))
+    with self.assertRaisesRegex(ValueError, "layout='fused'"):
+      packed.layout(params, config, "fused")
+
+  def test_bad_params_raise(self):
+    config, params = tiny("gqa"), tiny_params("gqa")
+    pk = packed.pack(params, config)
+    with self.assertRaisesRegex(ValueError, "already packed"):
+      packed.pack(pk, config)
+    with self.assertRaisesRegex(ValueError, r"\['k'\] has shape"):
+      packed.pack(params, tiny("mha"))
+    # A packed model checked against another config names the leaf.
+    with self.assertRaisesRegex(ValueError, r"qkv_t'\] has shape"):
+      model.check_params(pk, tiny("mha"))
+    bad = dict(pk, layers=(pk["layers"][0],))
+    with self.assertRaisesRegex(ValueError, "missing"):
+      model.check_params(bad, config)
+    with self.assertRaisesRegex(ValueError, "do not match the config"):
+      kvjax.generate(bad, config, _tokens(config, (1, 4)), 2)
+
+
+if __name__ == "__main__":
+  absltest.main()
