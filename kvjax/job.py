@@ -20,6 +20,7 @@ from kvjax import benchmarking
 from kvjax import cache as cache_lib
 from kvjax import inference
 from kvjax import model
+from kvjax import packed
 from kvjax.config import ModelConfig
 from kvjax.sampling import Sampler
 
@@ -77,18 +78,22 @@ def prompt_tokens(loaded: LoadedModel, *, text: str, batch: int,
 def run(loaded: LoadedModel, tokens: np.ndarray, *, max_new_tokens: int,
         policy: cache_lib.CachePolicy, capacity: int = 0,
         sampler: Sampler = Sampler(), seed: int = 0, verify_steps: int = 0,
-        repeats: int = 3, shardings=None) -> dict[str, Any]:
+        repeats: int = 3, shardings=None,
+        layout: str = "scan") -> dict[str, Any]:
   """Generates, times and verifies. Returns a JSON-able report.
 
   `shardings` (a `kvjax.sharding.ShardingPlan`) runs prefill and generate
-  under its mesh; params are placed by it first.
+  under its mesh; params are placed by it first. `layout`: the params
+  layout generation runs on (`kvjax.packed.LAYOUTS`; 'packed' decodes
+  fastest, 'scan' compiles fastest).
 
   Timing: prefill alone and the whole `generate` (prefill + lax.scan decode)
   are each compiled once, then timed `repeats` times (median); decode
   tokens/s = (max_new_tokens − 1) / (generate − prefill), since the first
   token comes from the prefill logits.
   """
-  cfg, params = loaded.config, loaded.params
+  cfg = loaded.config
+  params = packed.layout(loaded.params, cfg, layout)
   if shardings is not None:
     params = shardings.put_params(params)
   B, T = tokens.shape
@@ -122,7 +127,7 @@ def run(loaded: LoadedModel, tokens: np.ndarray, *, max_new_tokens: int,
   bytes_ = cache_lib.cache_bytes(cache)
   report = dict(
       source=loaded.source, variant=cfg.variant, batch=B, prompt_len=T,
-      max_new_tokens=max_new_tokens, capacity=capacity,
+      max_new_tokens=max_new_tokens, capacity=capacity, layout=layout,
       policy=dataclasses.asdict(policy),
       ids=np.asarray(ids).tolist(),
       first_call_prefill_s=compile_prefill,
@@ -159,7 +164,7 @@ def run(loaded: LoadedModel, tokens: np.ndarray, *, max_new_tokens: int,
 def format_report(r: dict[str, Any]) -> str:
   mib = 2 ** 20
   lines = [
-      f"model        {r['source']}  ({r['variant']})",
+      f"model        {r['source']}  ({r['variant']}, {r['layout']} params)",
       f"batch        {r['batch']} × prompt {r['prompt_len']} → "
       f"{r['max_new_tokens']} new tokens, capacity {r['capacity']}, "
       f"eviction {r['policy']['eviction']}, kv {r['policy']['kv_dtype']}"
