@@ -47,7 +47,7 @@ import kvjax  # pylint: disable=g-import-not-at-top
 from kvjax import benchmarking as bm  # pylint: disable=g-import-not-at-top
 from kvjax import configs as cfg_lib  # pylint: disable=g-import-not-at-top
 from kvjax import inference  # pylint: disable=g-import-not-at-top
-from kvjax import model  # pylint: disable=g-import-not-at-top
+from kvjax import packed  # pylint: disable=g-import-not-at-top
 import model as model_presets  # pylint: disable=g-import-not-at-top
 
 MODES = ("memory", "positions", "variants", "roofline", "quant", "sweep",
