@@ -7,6 +7,7 @@ from kvjax.config import MoEConfig, ModelConfig, RopeScaling
 from kvjax.inference import (decode_step, extend, forward, generate,
                              generate_no_cache, prefill, prefill_chunked)
 from kvjax.model import init_params, param_count
+from kvjax.packed import pack
 from kvjax.sampling import GREEDY, Sampler
 
 __all__ = [
@@ -14,5 +15,5 @@ __all__ = [
     "kv_bytes_per_token", "MoEConfig", "ModelConfig", "RopeScaling",
     "decode_step", "extend", "forward", "generate", "generate_no_cache",
     "prefill", "prefill_chunked", "init_params", "param_count", "GREEDY",
-    "Sampler", "load_checkpoint",
+    "Sampler", "load_checkpoint", "pack",
 ]
