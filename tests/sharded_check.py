@@ -57,6 +57,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "configs"))
 import kvjax
 from kvjax import inference
 from kvjax import model as kvjax_model
+from kvjax import packed as kvjax_packed
 from kvjax import sharding
 import model as model_presets  # configs/model.py
 
@@ -157,6 +158,8 @@ def check_case(config, params, mesh_shape, ref, prompt, kv_fallback="seq",
   p = sharding.plan(config, mesh, kv_fallback=kv_fallback)
   if layout == "unstacked":
     params = kvjax_model.unstack_layers(params)
+  elif layout == "packed":
+    params = kvjax_packed.pack(params, config)
   sp = p.put_params(params)
   t0 = time.perf_counter()
   toks, logits, cache = kvjax.generate(
@@ -280,6 +283,9 @@ def run_check():
                            return_logits=True)[:2]
       print(json.dumps(check_case(config, params, (2, 4), ref, prompt,
                                   cache_kind="kivi")), flush=True)
+      # Packed decode params (kvjax.packed) shard by the same table.
+      print(json.dumps(check_case(config, params, (2, 4), (toks, logits),
+                                  prompt, layout="packed")), flush=True)
     if variant == "mqa":
       # The other fallback: the single kv head copied to every model shard.
       print(json.dumps(check_case(config, params, (1, 8), (toks, logits),

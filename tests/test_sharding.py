@@ -134,6 +134,12 @@ class EightDeviceTest(parameterized.TestCase):
     row = self._row("mha", "2x4", layout="unstacked")
     self._check(row)
 
+  @parameterized.parameters("gqa", "mla")
+  def test_packed_params_shard_the_same(self, variant):
+    # kvjax.packed: fused [out, in] weights under the table's packed names.
+    row = self._row(variant, "2x4", layout="packed")
+    self._check(row)
+
   def test_init_params_in_shards_equals_single_device(self):
     rows = subprocess_results()
     row = rows[("init_params", "mha", "2x4")]
