@@ -19,10 +19,13 @@ Biases, norms and the embedding are kept. MLA attention weights and MoE
 experts keep their canonical form (their decode reads the latent path and a
 few experts); their dense MLPs and the LM head are packed.
 
-Why: on XLA's CPU backend the batch-1 weight products were ~75% of a decode
-step, at 24 GB/s for `x @ W` on [in, out] weights against 32 GB/s for the
-packed `W @ x`; at batch 8 the skinny GEMMs are 1.3x faster with the weight
-on the left. Medium decode: +24% tokens/s at batch 1 and 8 (WORKSPACE.md).
+Why: on XLA's CPU backend the weight products are ~90% of a batch-1
+decode step, at 24 GB/s for `x @ W` on [in, out] weights against 32 GB/s
+for the packed `W @ x`; at batch 8 the skinny GEMMs are 1.3x faster with
+the weight on the left. Medium decode: +15-20% tokens/s over the unrolled
+layout at batch 1 and 8 in the peer benchmark (WORKSPACE.md). Small models
+(256-wide rows, ~2 ms steps) decode faster from the scan layout: which
+layout wins is a measured, per-size choice (`layout`).
 Packed params are for inference (`forward`, `prefill`, `decode_step`,
 `generate`, ...); training and checkpoints use the canonical layout.
 """
@@ -42,13 +45,16 @@ def _layer_stacks(params):
 
 
 def is_packed(params) -> bool:
-  """True for params built by `pack`."""
+  """True when any weight is in the packed form. (A model with nothing to
+  pack, MLA attention with MoE experts in every layer and a tied head,
+  packs to its unrolled layout, for which this is False.)"""
   if "lm_head_t" in params:
     return True
   for name in _layer_stacks(params):
     stack = params[name]
     if isinstance(stack, (list, tuple)) and stack and (
-        "qkv_t" in stack[0]["attn"] or "gate_up_t" in stack[0]["mlp"]):
+        any(k in stack[0]["attn"] for k in PACKED_ATTENTION) or
+        any(k in stack[0]["mlp"] for k in PACKED_MLP)):
       return True
   return False
 
