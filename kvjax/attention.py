@@ -178,9 +178,9 @@ def gqa_attention(p, x_BTD, step: Step, cache, layer, config: ModelConfig):
     (y_BTD, new_cache)
   """
   B, T, _ = x_BTD.shape
-  K, G, H = config.num_kv_heads, config.groups, config.head_dim
+  N, K, G, H = (config.num_heads, config.num_kv_heads, config.groups,
+                config.head_dim)
   dtype = x_BTD.dtype
-  N = config.num_heads
   if "qkv_t" in p:  # kvjax.packed: one fused [out, in] product
     qkv_BTX = linear_t(x_BTD, p["qkv_t"])
     q_BTNH = qkv_BTX[..., :N * H].reshape(B, T, N, H)
