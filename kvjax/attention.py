@@ -90,11 +90,18 @@ def attend(q_BTKGH, k_BKSH, v_BKSH, mask_BTS, scale: float,
     return out.reshape(B, T, K, G, H), None
   big_neg = jnp.finfo(jnp.float32).min
   if T == 1:
-    # Decode: without the unit T axis XLA emits one batched matrix-vector
-    # product per (B, K) and no transposes of the [.., S] logits: 1.16-1.29x
-    # faster decode steps at 1-2k cached tokens (WORKSPACE.md).
-    logits_BKGS = jnp.einsum("BKGH,BKSH->BKGS", q_BTKGH[:, 0], k_BKSH,
-                             preferred_element_type=jnp.float32) * scale
+    # Decode: without the unit T axis XLA emits one batched product per
+    # (B, K) and no transposes of the [.., S] logits: 1.16-1.29x faster
+    # decode steps at 1-2k cached tokens. The logits are K @ q ('BKSH,BKGH->
+    # BKSG': the cached keys are the dot's row-major left operand, read in
+    # order, as `linear_t` reads weights), swapped to [.., G, S] afterwards;
+    # the barrier stops XLA from folding the swap into the dot, which turns
+    # it back into q @ K^T with a transposed key read: 2.6x slower key dots
+    # and 1.2x slower batch-8 decode (WORKSPACE.md).
+    logits_BKSG = jax.lax.optimization_barrier(
+        jnp.einsum("BKSH,BKGH->BKSG", k_BKSH, q_BTKGH[:, 0],
+                   preferred_element_type=jnp.float32))
+    logits_BKGS = jnp.swapaxes(logits_BKSG, -1, -2) * scale
     logits_BKGS = jnp.where(mask_BTS[:, None], logits_BKGS, big_neg)
     probs_BKGS = jax.nn.softmax(logits_BKGS, axis=-1)
     out_BKGH = jnp.einsum("BKGS,BKSH->BKGH", probs_BKGS.astype(v_BKSH.dtype),

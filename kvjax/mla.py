@@ -87,18 +87,32 @@ def latent_attend(p, q_nope_BTNP, q_rope_BTNR, c_BSC, r_BSR, mask_BTS,
   """
   dtype = q_nope_BTNP.dtype
   f32 = jnp.float32
-  rope_BNTS = jnp.einsum("BTNR,BSR->BNTS", q_rope_BTNR, r_BSR,
-                         preferred_element_type=f32)
   if path == "absorbed":
     q_lat_BTNC = jnp.einsum("BTNP,CNP->BTNC", q_nope_BTNP, p["w_uk"])
-    nope_BNTS = jnp.einsum("BTNC,BSC->BNTS", q_lat_BTNC, c_BSC,
-                           preferred_element_type=f32)
-    probs_BNTS = _softmax((nope_BNTS + rope_BNTS) * scale, mask_BTS)
+    if q_lat_BTNC.shape[1] == 1:
+      # Decode: latents @ queries, the cache as the dot's row-major left
+      # operand (see `attention.attend`), swapped to [B, N, 1, S] after the
+      # barrier.
+      logits_BSN = jax.lax.optimization_barrier(
+          jnp.einsum("BSC,BNC->BSN", c_BSC, q_lat_BTNC[:, 0],
+                     preferred_element_type=f32) +
+          jnp.einsum("BSR,BNR->BSN", r_BSR, q_rope_BTNR[:, 0],
+                     preferred_element_type=f32))
+      logits_BNTS = jnp.swapaxes(logits_BSN, 1, 2)[:, :, None]
+    else:
+      logits_BNTS = (
+          jnp.einsum("BTNC,BSC->BNTS", q_lat_BTNC, c_BSC,
+                     preferred_element_type=f32) +
+          jnp.einsum("BTNR,BSR->BNTS", q_rope_BTNR, r_BSR,
+                     preferred_element_type=f32))
+    probs_BNTS = _softmax(logits_BNTS * scale, mask_BTS)
     o_lat_BTNC = jnp.einsum("BNTS,BSC->BTNC", probs_BNTS.astype(dtype), c_BSC)
     out_BTNV = jnp.einsum("BTNC,CNV->BTNV", o_lat_BTNC, p["w_uv"])
   else:
     k_nope_BSNP = jnp.einsum("BSC,CNP->BSNP", c_BSC, p["w_uk"])
     v_BSNV = jnp.einsum("BSC,CNV->BSNV", c_BSC, p["w_uv"])
+    rope_BNTS = jnp.einsum("BTNR,BSR->BNTS", q_rope_BTNR, r_BSR,
+                           preferred_element_type=f32)
     nope_BNTS = jnp.einsum("BTNP,BSNP->BNTS", q_nope_BTNP, k_nope_BSNP,
                            preferred_element_type=f32)
     probs_BNTS = _softmax((nope_BNTS + rope_BNTS) * scale, mask_BTS)
