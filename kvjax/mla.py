@@ -25,7 +25,8 @@ from kvjax import quant
 from kvjax.attention import Step, accumulate_scores
 from kvjax.cache import LatentCache, scatter_tokens
 from kvjax.config import ModelConfig
-from kvjax.layers import apply_rope, merge_heads_out, rms_norm
+from kvjax.layers import (apply_rope, linear_t, linear_t_heads,
+                           merge_heads_out, rms_norm)
 
 MLA_NORM_EPS = 1e-6  # DeepSeek hard-codes the q_a / kv_a norm eps.
 
@@ -87,8 +88,12 @@ def latent_attend(p, q_nope_BTNP, q_rope_BTNR, c_BSC, r_BSR, mask_BTS,
   """
   dtype = q_nope_BTNP.dtype
   f32 = jnp.float32
+  packed = "w_uk_t" in p  # kvjax.packed: [N, C, P] and [N, V, C]
   if path == "absorbed":
-    q_lat_BTNC = jnp.einsum("BTNP,CNP->BTNC", q_nope_BTNP, p["w_uk"])
+    if packed:
+      q_lat_BTNC = linear_t_heads(q_nope_BTNP, p["w_uk_t"])
+    else:
+      q_lat_BTNC = jnp.einsum("BTNP,CNP->BTNC", q_nope_BTNP, p["w_uk"])
     if q_lat_BTNC.shape[1] == 1:
       # Decode: latents @ queries, the cache as the dot's row-major left
       # operand (see `attention.attend`), swapped to [B, N, 1, S] after the
@@ -107,10 +112,17 @@ def latent_attend(p, q_nope_BTNP, q_rope_BTNR, c_BSC, r_BSR, mask_BTS,
                      preferred_element_type=f32))
     probs_BNTS = _softmax(logits_BNTS * scale, mask_BTS)
     o_lat_BTNC = jnp.einsum("BNTS,BSC->BTNC", probs_BNTS.astype(dtype), c_BSC)
-    out_BTNV = jnp.einsum("BTNC,CNV->BTNV", o_lat_BTNC, p["w_uv"])
+    if packed:
+      out_BTNV = linear_t_heads(o_lat_BTNC, p["w_uv_t"])
+    else:
+      out_BTNV = jnp.einsum("BTNC,CNV->BTNV", o_lat_BTNC, p["w_uv"])
   else:
-    k_nope_BSNP = jnp.einsum("BSC,CNP->BSNP", c_BSC, p["w_uk"])
-    v_BSNV = jnp.einsum("BSC,CNV->BSNV", c_BSC, p["w_uv"])
+    if packed:
+      k_nope_BSNP = jnp.einsum("BSC,NCP->BSNP", c_BSC, p["w_uk_t"])
+      v_BSNV = jnp.einsum("BSC,NVC->BSNV", c_BSC, p["w_uv_t"])
+    else:
+      k_nope_BSNP = jnp.einsum("BSC,CNP->BSNP", c_BSC, p["w_uk"])
+      v_BSNV = jnp.einsum("BSC,CNV->BSNV", c_BSC, p["w_uv"])
     rope_BNTS = jnp.einsum("BTNR,BSR->BNTS", q_rope_BTNR, r_BSR,
                            preferred_element_type=f32)
     nope_BNTS = jnp.einsum("BTNP,BSNP->BNTS", q_nope_BTNP, k_nope_BSNP,
@@ -124,17 +136,28 @@ def mla_attention(p, x_BTD, step: Step, cache, layer, config: ModelConfig):
   """One MLA layer; same contract as `kvjax.attention.gqa_attention`.
 
   Params: q [D,N,P+R] or (q_a [D,Q], q_a_norm [Q], q_b [Q,N,P+R]);
-  kv_a [D,C+R]; kv_a_norm [C]; w_uk [C,N,P]; w_uv [C,N,V]; o [N,V,D].
+  kv_a [D,C+R]; kv_a_norm [C]; w_uk [C,N,P]; w_uv [C,N,V]; o [N,V,D]; or
+  their packed forms (`kvjax.packed`: q_t / q_a_t, q_b_t, kv_a_t, w_uk_t,
+  w_uv_t, o_t).
   """
   C, P = config.kv_lora_rank, config.qk_nope_head_dim
   dtype = x_BTD.dtype
-  if "q_a" in p:
+  B, T, _ = x_BTD.shape
+  N = config.num_heads
+  if "q_a_t" in p:  # kvjax.packed: dense weights [out, in]
+    q_lat_BTQ = rms_norm(linear_t(x_BTD, p["q_a_t"]), p["q_a_norm"],
+                         MLA_NORM_EPS)
+    q_BTNJ = linear_t(q_lat_BTQ, p["q_b_t"]).reshape(B, T, N, -1)
+  elif "q_t" in p:
+    q_BTNJ = linear_t(x_BTD, p["q_t"]).reshape(B, T, N, -1)
+  elif "q_a" in p:
     q_lat_BTQ = rms_norm(x_BTD @ p["q_a"], p["q_a_norm"], MLA_NORM_EPS)
     q_BTNJ = jnp.einsum("BTQ,QNJ->BTNJ", q_lat_BTQ, p["q_b"])
   else:
     q_BTNJ = jnp.einsum("BTD,DNJ->BTNJ", x_BTD, p["q"])
   q_nope_BTNP, q_rope_BTNR = q_BTNJ[..., :P], q_BTNJ[..., P:]
-  ckv_BTJ = x_BTD @ p["kv_a"]
+  ckv_BTJ = (linear_t(x_BTD, p["kv_a_t"]) if "kv_a_t" in p
+             else x_BTD @ p["kv_a"])
   c_BTC = rms_norm(ckv_BTJ[..., :C], p["kv_a_norm"], MLA_NORM_EPS)
   r_BTR = ckv_BTJ[..., C:]
   cos_q, sin_q = step.cos_q, step.sin_q
@@ -168,5 +191,8 @@ def mla_attention(p, x_BTD, step: Step, cache, layer, config: ModelConfig):
                                        path)
   if cache is not None:
     cache = accumulate_scores(cache, probs_BNTS[:, :, None], step)
-  y_BTD = merge_heads_out(out_BTNV, p["o"])
+  if "o_t" in p:
+    y_BTD = linear_t(out_BTNV.reshape(B, T, -1), p["o_t"])
+  else:
+    y_BTD = merge_heads_out(out_BTNV, p["o"])
   return y_BTD, cache

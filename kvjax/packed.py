@@ -15,9 +15,16 @@ order and the number of dots differ.
   mlp down [F,D]                ->  mlp down_t [D, F]
   lm_head [D,V]                 ->  lm_head_t [V, D]
 
-Biases, norms and the embedding are kept. MLA attention weights and MoE
-experts keep their canonical form (their decode reads the latent path and a
-few experts); their dense MLPs and the LM head are packed.
+  MLA: q [D,N,J]                ->  attn q_t [N·J, D]
+       (q_a [D,Q], q_b [Q,N,J]  ->  attn q_a_t [Q, D], q_b_t [N·J, Q])
+       kv_a [D,C+R]             ->  attn kv_a_t [C+R, D]
+       w_uk [C,N,P]             ->  attn w_uk_t [N, C, P] (per head [out, in])
+       w_uv [C,N,V]             ->  attn w_uv_t [N, V, C]
+       o [N,V,D]                ->  attn o_t [D, N·V]
+
+Biases, norms and the embedding are kept. MoE experts keep their canonical
+form (a decode step reads a few of them); their dense MLPs and the LM head
+are packed.
 
 Why: on XLA's CPU backend the weight products are ~90% of a batch-1
 decode step, at 24 GB/s for `x @ W` on [in, out] weights against 32 GB/s
@@ -36,7 +43,7 @@ import jax.numpy as jnp
 
 from kvjax.config import ModelConfig
 
-PACKED_ATTENTION = ("qkv_t", "o_t")
+PACKED_ATTENTION = ("qkv_t", "o_t")  # o_t: MLA's too
 PACKED_MLP = ("gate_up_t", "down_t")
 
 
@@ -45,9 +52,8 @@ def _layer_stacks(params):
 
 
 def is_packed(params) -> bool:
-  """True when any weight is in the packed form. (A model with nothing to
-  pack, MLA attention with MoE experts in every layer and a tied head,
-  packs to its unrolled layout, for which this is False.)"""
+  """True when any weight is in the packed form (every packed model has
+  `o_t` in its attention)."""
   if "lm_head_t" in params:
     return True
   for name in _layer_stacks(params):
@@ -59,9 +65,25 @@ def is_packed(params) -> bool:
   return False
 
 
+def _pack_mla(p_attn, config: ModelConfig):
+  N = config.num_heads
+  out = {k: v for k, v in p_attn.items()
+         if k not in ("q", "q_a", "q_b", "kv_a", "w_uk", "w_uv", "o")}
+  if "q" in p_attn:
+    out["q_t"] = p_attn["q"].reshape(config.embed_dim, -1).T
+  else:
+    out["q_a_t"] = p_attn["q_a"].T
+    out["q_b_t"] = p_attn["q_b"].reshape(config.q_lora_rank, -1).T
+  out["kv_a_t"] = p_attn["kv_a"].T
+  out["w_uk_t"] = jnp.transpose(p_attn["w_uk"], (1, 0, 2))  # [N, C, P]
+  out["w_uv_t"] = jnp.transpose(p_attn["w_uv"], (1, 2, 0))  # [N, V, C]
+  out["o_t"] = p_attn["o"].reshape(N * config.v_head_dim, -1).T
+  return out
+
+
 def _pack_attention(p_attn, config: ModelConfig):
-  if config.attention == "mla":  # kept canonical
-    return p_attn
+  if config.attention == "mla":
+    return _pack_mla(p_attn, config)
   D = config.embed_dim
   qkv_DX = jnp.concatenate([p_attn["q"].reshape(D, -1),
                             p_attn["k"].reshape(D, -1),

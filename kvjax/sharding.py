@@ -111,6 +111,13 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "mlp/gate_up_t": (None, "embed"),
     "mlp/down_t": ("embed", "mlp"),
     "lm_head_t": ("vocab", "embed"),
+    # packed MLA: per-head weights keep their head axis; the rest as above.
+    "attn/q_t": (None, "embed"),
+    "attn/q_a_t": ("q_latent", "embed"),
+    "attn/q_b_t": (None, "q_latent"),
+    "attn/kv_a_t": ("latent", "embed"),
+    "attn/w_uk_t": ("heads", "latent", "head_dim"),
+    "attn/w_uv_t": ("heads", "head_dim", "latent"),
 }
 LAYER_STACKS = ("layers", "moe_layers")
 

@@ -9,6 +9,8 @@ runs 4 weight products per dense layer instead of 7; bad params raise naming
 the problem.
 """
 
+import dataclasses
+
 from absl.testing import absltest
 from absl.testing import parameterized
 import chex
@@ -145,9 +147,8 @@ class PackedTest(parameterized.TestCase):
       np.testing.assert_array_equal(p["mlp"]["down_t"], mlp["down"][i].T)
       attn = params["layers"]["attn"]
       if variant == "mla":
-        self.assertNotIn("qkv_t", p["attn"])
-        chex.assert_trees_all_equal(
-            p["attn"], jax.tree_util.tree_map(lambda w, i=i: w[i], attn))
+        self._check_mla(config, p["attn"],
+                        jax.tree_util.tree_map(lambda w, i=i: w[i], attn))
         continue
       N, K, H = config.num_heads, config.num_kv_heads, config.head_dim
       chex.assert_shape(p["attn"]["qkv_t"], ((N + 2 * K) * H, D))
@@ -160,6 +161,42 @@ class PackedTest(parameterized.TestCase):
     np.testing.assert_array_equal(pk["lm_head_t"], params["lm_head"].T)
     np.testing.assert_array_equal(pk["embed"], params["embed"])
     self.assertEqual(bm.param_bytes(pk), bm.param_bytes(params))
+
+  def _check_mla(self, config, p, c):
+    """Packed MLA weights `p` are the canonical `c` reordered: dense ones
+    [out, in], W_UK and W_UV per head [out, in]."""
+    N, C, P, V = (config.num_heads, config.kv_lora_rank,
+                  config.qk_nope_head_dim, config.v_head_dim)
+    self.assertNotIn("qkv_t", p)
+    expect = dict(kv_a_t=c["kv_a"].T, kv_a_norm=c["kv_a_norm"],
+                  w_uk_t=np.transpose(c["w_uk"], (1, 0, 2)),
+                  w_uv_t=np.transpose(c["w_uv"], (1, 2, 0)),
+                  o_t=c["o"].reshape(N * V, -1).T)
+    if "q_a" in c:
+      expect.update(q_a_t=c["q_a"].T, q_a_norm=c["q_a_norm"],
+                    q_b_t=c["q_b"].reshape(c["q_b"].shape[0], -1).T)
+    else:
+      expect.update(q_t=c["q"].reshape(config.embed_dim, -1).T)
+    self.assertEqual(set(p), set(expect))
+    for name, want in expect.items():
+      np.testing.assert_array_equal(p[name], want, err_msg=name)
+    chex.assert_shape(p["w_uk_t"], (N, C, P))
+    chex.assert_shape(p["w_uv_t"], (N, V, C))
+
+  def test_packed_mla_with_q_lora(self):
+    config = dataclasses.replace(tiny("mla"), q_lora_rank=24)
+    params = kvjax.init_params(config, jax.random.key(3))
+    pk = packed.pack(params, config)
+    self._check_mla(config, pk["layers"][0]["attn"], jax.tree_util.tree_map(
+        lambda w: w[0], params["layers"]["attn"]))
+    tokens = _tokens(config, (2, 9))
+    chex.assert_trees_all_close(kvjax.forward(pk, config, tokens),
+                                kvjax.forward(params, config, tokens),
+                                atol=1e-5, rtol=1e-5)
+    for path in ("absorbed", "naive"):
+      cfg = dataclasses.replace(config, mla_decode=path)
+      np.testing.assert_array_equal(kvjax.generate(pk, cfg, tokens, 6),
+                                    kvjax.generate(params, cfg, tokens, 6))
 
   def test_decode_step_runs_fewer_weight_products(self):
     config, params = tiny("gqa"), tiny_params("gqa")
