@@ -30,7 +30,9 @@ Why: on XLA's CPU backend the weight products are ~90% of a batch-1
 decode step, at 24 GB/s for `x @ W` on [in, out] weights against 32 GB/s
 for the packed `W @ x`; at batch 8 the skinny GEMMs are 1.3x faster with
 the weight on the left. Medium decode: +15-20% tokens/s over the unrolled
-layout at batch 1 and 8 in the peer benchmark (WORKSPACE.md). Small models
+layout at batch 1 and 8 in the peer benchmark (WORKSPACE.md). Canonical
+MLA weights made XLA transpose W_UK and W_UV on every decode step; packed
+MLA decodes 16% (batch 1) / 11% (batch 8) faster. Small models
 (256-wide rows, ~2 ms steps) decode faster from the scan layout: which
 layout wins is a measured, per-size choice (`layout`).
 Packed params are for inference (`forward`, `prefill`, `decode_step`,
