@@ -230,10 +230,18 @@ def gqa_attention(p, x_BTD, step: Step, cache, layer, config: ModelConfig):
                             config.softmax_scale, config.attention_impl)
   if cache is not None:
     cache = accumulate_scores(cache, probs, step)
+  return project_out(p, out_BTKGH.reshape(B, T, N, H)), cache
+
+
+def project_out(p, out_BTNH):
+  """The attention output projection of either params layout: o [N,H,D]
+  (`merge_heads_out`) or packed o_t [D, N·H] (`linear_t`), plus o_bias [D]
+  when present. (MLA's per-head value width V plays H here.)"""
+  B, T = out_BTNH.shape[:2]
   if "o_t" in p:
-    y_BTD = linear_t(out_BTKGH.reshape(B, T, N * H), p["o_t"])
+    y_BTD = linear_t(out_BTNH.reshape(B, T, -1), p["o_t"])
   else:
-    y_BTD = merge_heads_out(out_BTKGH.reshape(B, T, N, H), p["o"])
+    y_BTD = merge_heads_out(out_BTNH, p["o"])
   if "o_bias" in p:
     y_BTD += p["o_bias"][None, None]
-  return y_BTD, cache
+  return y_BTD

@@ -22,11 +22,10 @@ import jax.numpy as jnp
 
 from kvjax import kivi
 from kvjax import quant
-from kvjax.attention import Step, accumulate_scores
+from kvjax.attention import Step, accumulate_scores, project_out
 from kvjax.cache import LatentCache, scatter_tokens
 from kvjax.config import ModelConfig
-from kvjax.layers import (apply_rope, linear_t, linear_t_heads,
-                           merge_heads_out, rms_norm)
+from kvjax.layers import apply_rope, linear_t, linear_t_heads, rms_norm
 
 MLA_NORM_EPS = 1e-6  # DeepSeek hard-codes the q_a / kv_a norm eps.
 
@@ -191,8 +190,4 @@ def mla_attention(p, x_BTD, step: Step, cache, layer, config: ModelConfig):
                                        path)
   if cache is not None:
     cache = accumulate_scores(cache, probs_BNTS[:, :, None], step)
-  if "o_t" in p:
-    y_BTD = linear_t(out_BTNV.reshape(B, T, -1), p["o_t"])
-  else:
-    y_BTD = merge_heads_out(out_BTNV, p["o"])
-  return y_BTD, cache
+  return project_out(p, out_BTNV), cache
