@@ -176,6 +176,9 @@ def run_memory(config):
   bm.release_free_memory()
   with bm.PeakRSS() as second:  # run only (compiled)
     jax.block_until_ready(kvjax.generate(params, config, tokens, N))
+  # What the compiled programs themselves hold (code and runtime state):
+  # the resident memory that dropping every compiled executable frees.
+  executables = bm.executables_rss_bytes()
   # After the RSS regions: the AOT compile would add a second executable.
   compiled = bm.compiled_memory(inference.lower_generate(params, config,
                                                          tokens, N))
@@ -192,16 +195,24 @@ def run_memory(config):
              compiled_ratio=compiled["peak"] / model_bytes,
              first_run=first.to_dict(), second_run=second.to_dict(),
              first_run_ratio=(first.peak - base) / model_bytes,
-             second_run_ratio=(second.peak - base) / model_bytes)
+             second_run_ratio=(second.peak - base) / model_bytes,
+             executables_rss=executables,
+             executables_ratio=executables / model_bytes,
+             second_run_ratio_without_executables=(
+                 second.peak - base - executables) / model_bytes)
   logging.info("memory: params %.1f MB cache %.1f MB act %.1f MB = %.1f MB; "
                "XLA program peak %.1f MB = %.2fx (temporaries %.1f MB); "
                "RSS above the runtime baseline: held %.1f MB before "
                "generate, peak first run (incl. compile) %.1f MB = %.2fx, "
-               "second run %.1f MB = %.2fx", p_bytes / 1e6, c_bytes / 1e6,
+               "second run %.1f MB = %.2fx, of which the compiled "
+               "executables hold %.1f MB (%.2fx; %.2fx without them)",
+               p_bytes / 1e6, c_bytes / 1e6,
                act / 1e6, model_bytes / 1e6, compiled["peak"] / 1e6,
                out["compiled_ratio"], compiled["temporaries"] / 1e6,
                held / 1e6, (first.peak - base) / 1e6, out["first_run_ratio"],
-               (second.peak - base) / 1e6, out["second_run_ratio"])
+               (second.peak - base) / 1e6, out["second_run_ratio"],
+               executables / 1e6, out["executables_ratio"],
+               out["second_run_ratio_without_executables"])
   _save("memory", out)
 
 

@@ -17,7 +17,8 @@ every number:
              cache), `prefill_flops` (the matmul FLOPs of a prefill),
              `largest_activation_bytes`.
   memory     `PeakRSS` (the process's peak resident set size over a region,
-             reset through /proc/self/clear_refs), `current_rss_bytes`.
+             reset through /proc/self/clear_refs), `current_rss_bytes`,
+             `executables_rss_bytes` (what compiled programs hold).
 
 Shapes use the alphabet of `kvjax.config`.
 """
@@ -27,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+import gc
 import os
 import resource
 import statistics
@@ -375,6 +377,25 @@ def release_free_memory() -> bool:
     return bool(libc.malloc_trim(0))
   except (OSError, AttributeError):
     return False
+
+
+def executables_rss_bytes() -> int:
+  """Resident memory held by every compiled executable of this process.
+
+  Measured, not estimated: the RSS drop when JAX's compilation caches are
+  cleared (`jax.clear_caches`; the allocator's free pages are returned
+  before both readings). A JIT backend keeps each program's machine code
+  and runtime state resident for as long as the program can be called, so
+  a peak-RSS figure of a compiled run includes them; this separates them
+  from the memory the run's data (params, cache, activations) needs.
+  Later calls recompile.
+  """
+  release_free_memory()
+  before = current_rss_bytes()
+  jax.clear_caches()
+  gc.collect()
+  release_free_memory()
+  return max(0, before - current_rss_bytes())
 
 
 def compiled_memory(lowered) -> dict[str, int]:

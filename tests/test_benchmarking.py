@@ -238,6 +238,15 @@ class PeakRSSTest(absltest.TestCase):
     self.assertGreaterEqual(m.peak, m.before)
     self.assertLess(m.after, m.peak)
 
+  def test_executables_rss_drops_every_compiled_program(self):
+    f = jax.jit(lambda x: jnp.sin(x) * 2 + 1)
+    jax.block_until_ready(f(jnp.ones(16)))
+    self.assertEqual(f._cache_size(), 1)
+    held = bm.executables_rss_bytes()
+    self.assertIsInstance(held, int)
+    self.assertGreaterEqual(held, 0)
+    self.assertEqual(f._cache_size(), 0)  # measured by dropping them
+
 
 
 class CompiledMemoryTest(absltest.TestCase):
