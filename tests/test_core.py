@@ -205,6 +205,32 @@ class AttendBucketsTest(chex.TestCase, parameterized.TestCase):
         self.assertLessEqual(prompt + j + n, attend)
       j += n
 
+  @parameterized.parameters(
+      # Powers of two, then the last segment stops at what the generation
+      # fills (383 slots -> 384), not at the next power of two (512).
+      (128, 255, 512, 1, ((128, 256), (127, 384))),
+      (16, 300, 1024, 1, ((112, 128), (128, 256), (60, 384))),
+      # The last segment reaches the capacity: attend the whole cache.
+      (16, 149, 256, 1, ((112, 128), (37, 0))),
+      (100, 50, 4096, 32, ((28, 128), (22, 256))),
+      (1000, 2000, 4096, 1, ((24, 1024), (1024, 2048), (952, 3072))),
+      (5, 3, 16, 1, ((3, 0),)))
+  def test_schedule_segments(self, prompt, steps, capacity, mult, expected):
+    self.assertEqual(
+        inference.attention_schedule(prompt, steps, capacity, mult), expected)
+
+  def test_last_segment_short_of_the_capacity_changes_nothing(self):
+    config, params = tiny("gqa"), tiny_params("gqa")
+    tokens = jax.random.randint(jax.random.key(3), (2, 16), 0,
+                                config.vocab_size)
+    self.assertEqual(inference.attention_schedule(16, 149, 512),
+                     ((112, 128), (37, 256)))
+    outs = [kvjax.generate(params, config, tokens, 150, capacity=512,
+                           return_logits=True, attend_buckets=b)
+            for b in (True, False)]
+    np.testing.assert_array_equal(outs[0][0], outs[1][0])
+    np.testing.assert_allclose(outs[0][1], outs[1][1], atol=1e-5, rtol=0)
+
   @parameterized.product(variant=VARIANTS, kind=("float32", "int8-kivi"))
   def test_buckets_change_nothing(self, variant, kind):
     from kvjax import benchmarking as bm  # pylint: disable=g-import-not-at-top

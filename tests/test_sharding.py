@@ -15,17 +15,20 @@ variant), its bad-input errors (checked on abstract meshes, no devices
 needed), and the helpers.
 """
 
+import fcntl
 import functools
 import json
 import os
 import subprocess
 import sys
+import tempfile
 
 from absl.testing import absltest
 from absl.testing import parameterized
 import jax
 from jax.sharding import AbstractMesh, PartitionSpec
 import numpy as np
+import pytest
 
 import kvjax
 from kvjax import model as model_lib
@@ -42,9 +45,8 @@ def mesh_name(shape) -> str:
   return "x".join(str(s) for s in shape)
 
 
-@functools.lru_cache(maxsize=None)
-def subprocess_results():
-  """Runs the 8-device check once; {(variant, mesh, fallback, stops): row}."""
+def _run_sharded_check() -> str:
+  """Runs tests/sharded_check.py in an 8-device process; its stdout."""
   env = dict(os.environ, PYTHONUNBUFFERED="1")
   proc = subprocess.run(
       [sys.executable, os.path.join(HERE, "sharded_check.py"), "--mode=check",
@@ -53,8 +55,42 @@ def subprocess_results():
   if proc.returncode:
     raise AssertionError(f"sharded_check.py failed ({proc.returncode}):\n"
                          f"{proc.stderr[-4000:]}")
+  return proc.stdout
+
+
+def _shared_sharded_check() -> str:
+  """`_run_sharded_check`'s stdout, run once per test session.
+
+  Why: the subprocess is the suite's largest cost (~1-2 minutes). With
+  `--dist loadgroup` one xdist worker runs every test that reads it; under
+  any other distribution each worker would run it itself. Workers of one
+  run share PYTEST_XDIST_TESTRUNUID: the first to take the lock runs the
+  check and leaves its output for the others. A failed run leaves
+  nothing, so each worker reports the failure itself.
+  """
+  run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+  if not run_id:
+    return _run_sharded_check()
+  path = os.path.join(tempfile.gettempdir(),
+                      f"kvjax_sharded_check_{run_id}.out")
+  with open(path + ".lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+    if os.path.exists(path):
+      with open(path) as f:
+        return f.read()
+    out = _run_sharded_check()
+    with open(path + ".tmp", "w") as f:
+      f.write(out)
+    os.replace(path + ".tmp", path)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def subprocess_results():
+  """Runs the 8-device check once; {(variant, mesh, fallback, stops): row}."""
+  stdout = _shared_sharded_check()
   rows = {}
-  for line in proc.stdout.splitlines():
+  for line in stdout.splitlines():
     if line.startswith("{"):
       row = json.loads(line)
       if row.get("check") == "init_params":
@@ -80,6 +116,9 @@ def abstract(shape, names=None):
                                           sharding.MESH_AXES[:len(shape)]))
 
 
+# One xdist worker runs every test that reads the subprocess (`--dist
+# loadgroup`): it waits for the check while the other worker goes on.
+@pytest.mark.xdist_group("eight_devices")
 class EightDeviceTest(parameterized.TestCase):
   """Reads the subprocess's results; one test per (variant, mesh)."""
 
