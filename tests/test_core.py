@@ -191,20 +191,6 @@ class AttendBucketsTest(chex.TestCase, parameterized.TestCase):
   (`inference.attention_schedule`): same tokens and logits as attending
   the whole capacity."""
 
-  @parameterized.parameters((16, 300, 1024, 1), (100, 50, 4096, 32),
-                            (128, 255, 512, 1), (5, 3, 16, 1))
-  def test_schedule_covers_every_step(self, prompt, steps, capacity, mult):
-    sched = inference.attention_schedule(prompt, steps, capacity, mult)
-    self.assertEqual(sum(n for n, _ in sched), steps)
-    j = 0
-    for n, attend in sched:
-      if attend:
-        self.assertEqual(attend % mult, 0)
-        self.assertLess(attend, capacity)
-        # The last step of the segment fills slots [0, prompt + j + n - 1].
-        self.assertLessEqual(prompt + j + n, attend)
-      j += n
-
   @parameterized.parameters(
       # Powers of two, then the last segment stops at what the generation
       # fills (383 slots -> 384), not at the next power of two (512).
@@ -215,9 +201,19 @@ class AttendBucketsTest(chex.TestCase, parameterized.TestCase):
       (100, 50, 4096, 32, ((28, 128), (22, 256))),
       (1000, 2000, 4096, 1, ((24, 1024), (1024, 2048), (952, 3072))),
       (5, 3, 16, 1, ((3, 0),)))
-  def test_schedule_segments(self, prompt, steps, capacity, mult, expected):
-    self.assertEqual(
-        inference.attention_schedule(prompt, steps, capacity, mult), expected)
+  def test_schedule_covers_every_step(self, prompt, steps, capacity, mult,
+                                      expected):
+    sched = inference.attention_schedule(prompt, steps, capacity, mult)
+    self.assertEqual(sched, expected)
+    self.assertEqual(sum(n for n, _ in sched), steps)
+    j = 0
+    for n, attend in sched:
+      if attend:
+        self.assertEqual(attend % mult, 0)
+        self.assertLess(attend, capacity)
+        # The last step of the segment fills slots [0, prompt + j + n - 1].
+        self.assertLessEqual(prompt + j + n, attend)
+      j += n
 
   def test_last_segment_short_of_the_capacity_changes_nothing(self):
     config, params = tiny("gqa"), tiny_params("gqa")
