@@ -66,7 +66,8 @@ def _shared_sharded_check() -> str:
   any other distribution each worker would run it itself. Workers of one
   run share PYTEST_XDIST_TESTRUNUID: the first to take the lock runs the
   check and leaves its output for the others. A failed run leaves
-  nothing, so each worker reports the failure itself.
+  nothing, so each worker reports the failure itself. The xdist
+  controller deletes the files when the run ends (tests/conftest.py).
   """
   run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
   if not run_id:
