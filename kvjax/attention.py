@@ -189,7 +189,7 @@ def gqa_attention(p, x_BTD, step: Step, cache, layer, config: ModelConfig):
                 config.head_dim)
   dtype = x_BTD.dtype
   if "qkv_t" in p:  # kvjax.packed: one fused [out, in] product
-    qkv_BTX = linear_t(x_BTD, p["qkv_t"])
+    qkv_BTX = linear_t(x_BTD, p["qkv_t"], norm_input=True)
     q_BTNH = qkv_BTX[..., :N * H].reshape(B, T, N, H)
     k_BTKH = qkv_BTX[..., N * H:(N + K) * H].reshape(B, T, K, H)
     v_BTKH = qkv_BTX[..., (N + K) * H:].reshape(B, T, K, H)

@@ -144,18 +144,18 @@ def mla_attention(p, x_BTD, step: Step, cache, layer, config: ModelConfig):
   B, T, _ = x_BTD.shape
   N = config.num_heads
   if "q_a_t" in p:  # kvjax.packed: dense weights [out, in]
-    q_lat_BTQ = rms_norm(linear_t(x_BTD, p["q_a_t"]), p["q_a_norm"],
+    q_lat_BTQ = rms_norm(linear_t(x_BTD, p["q_a_t"], norm_input=True), p["q_a_norm"],
                          MLA_NORM_EPS)
-    q_BTNJ = linear_t(q_lat_BTQ, p["q_b_t"]).reshape(B, T, N, -1)
+    q_BTNJ = linear_t(q_lat_BTQ, p["q_b_t"], norm_input=True).reshape(B, T, N, -1)
   elif "q_t" in p:
-    q_BTNJ = linear_t(x_BTD, p["q_t"]).reshape(B, T, N, -1)
+    q_BTNJ = linear_t(x_BTD, p["q_t"], norm_input=True).reshape(B, T, N, -1)
   elif "q_a" in p:
     q_lat_BTQ = rms_norm(x_BTD @ p["q_a"], p["q_a_norm"], MLA_NORM_EPS)
     q_BTNJ = jnp.einsum("BTQ,QNJ->BTNJ", q_lat_BTQ, p["q_b"])
   else:
     q_BTNJ = jnp.einsum("BTD,DNJ->BTNJ", x_BTD, p["q"])
   q_nope_BTNP, q_rope_BTNR = q_BTNJ[..., :P], q_BTNJ[..., P:]
-  ckv_BTJ = (linear_t(x_BTD, p["kv_a_t"]) if "kv_a_t" in p
+  ckv_BTJ = (linear_t(x_BTD, p["kv_a_t"], norm_input=True) if "kv_a_t" in p
              else x_BTD @ p["kv_a"])
   c_BTC = rms_norm(ckv_BTJ[..., :C], p["kv_a_norm"], MLA_NORM_EPS)
   r_BTR = ckv_BTJ[..., C:]

@@ -191,7 +191,7 @@ def _mlp(p, x_BTD, config: ModelConfig):
     from kvjax import moe as moe_lib  # pylint: disable=g-import-not-at-top
     return moe_lib.moe_mlp(p, x_BTD, config)
   if "gate_up_t" in p:  # kvjax.packed
-    gate_up_BTF = linear_t(x_BTD, p["gate_up_t"])
+    gate_up_BTF = linear_t(x_BTD, p["gate_up_t"], norm_input=True)
     F = gate_up_BTF.shape[-1] // 2
     h_BTF = jax.nn.silu(gate_up_BTF[..., :F]) * gate_up_BTF[..., F:]
     return linear_t(h_BTF, p["down_t"])

@@ -10,6 +10,7 @@ the problem.
 """
 
 import dataclasses
+import functools
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -47,12 +48,14 @@ def _dots(fn, *args):
 
 class LinearTTest(parameterized.TestCase):
 
-  @parameterized.parameters(1, 3, 8, layers.SKINNY_ROWS,
-                            layers.SKINNY_ROWS + 1, 200)
-  def test_equals_matmul_with_transposed_weight(self, rows):
+  @parameterized.product(rows=(1, 3, 8, layers.SKINNY_ROWS,
+                                layers.SKINNY_ROWS + 1, 200),
+                          norm_input=(False, True))
+  def test_equals_matmul_with_transposed_weight(self, rows, norm_input):
     x = jax.random.normal(jax.random.key(0), (rows, 1, 24))
     w_OI = jax.random.normal(jax.random.key(1), (40, 24))
-    y = jax.jit(layers.linear_t)(x, w_OI)
+    y = jax.jit(functools.partial(layers.linear_t,
+                                  norm_input=norm_input))(x, w_OI)
     chex.assert_shape(y, (rows, 1, 40))
     np.testing.assert_allclose(y, x @ w_OI.T, rtol=1e-5, atol=1e-5)
 
@@ -75,6 +78,23 @@ class LinearTTest(parameterized.TestCase):
     self.assertEqual(dots[0].invars[0].aval.shape, (40, 24))
     self.assertIn("optimization_barrier",
                   [e.primitive.name for e in jaxpr.eqns])
+
+  @parameterized.parameters(1, 8)
+  def test_norm_input_is_plain_for_one_row_only(self, rows):
+    # One norm-fed row: the plain x @ W.T (no barrier), which XLA's CPU
+    # backend runs as a loop split across the cores; more rows keep the
+    # weight-on-the-left form.
+    jaxpr = jax.make_jaxpr(functools.partial(layers.linear_t,
+                                             norm_input=True))(
+                                                 jnp.ones((rows, 24)),
+                                                 jnp.ones((40, 24))).jaxpr
+    dots = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+    self.assertLen(dots, 1)
+    barrier = "optimization_barrier" in [e.primitive.name
+                                         for e in jaxpr.eqns]
+    self.assertEqual(barrier, rows > 1)
+    self.assertEqual(dots[0].invars[0].aval.shape,
+                     (1, 24) if rows == 1 else (40, 24))
 
 
 class PackedTest(parameterized.TestCase):
