@@ -127,6 +127,20 @@ class PackedTest(parameterized.TestCase):
           kvjax.generate(pk, config, tokens[:, :5], 8),
           kvjax.generate(params, config, tokens[:, :5], 8))
 
+  @parameterized.parameters(*VARIANTS)
+  def test_batch_one_decode(self, variant):
+    # One sequence: each decode step is a single row, so the norm-fed
+    # products take linear_t's plain matrix-vector form (norm_input).
+    config, params = _config_and_params(variant)
+    pk = packed.pack(params, config)
+    tokens = _tokens(config, (1, 9))
+    full = kvjax.forward(params, config, tokens)
+    _, cache = kvjax.prefill(pk, config, tokens[:, :5],
+                             kvjax.init_cache(config, 1, S))
+    for t in range(5, 9):
+      step, cache = kvjax.decode_step(pk, config, tokens[:, t], cache)
+      chex.assert_trees_all_close(step, full[:, t], atol=1e-5, rtol=1e-5)
+
   @parameterized.parameters(("gqa", "bfloat16"), ("gqa", "int8-kivi"),
                             ("mla", "int8-kivi"))
   def test_quantized_caches(self, variant, kind):
