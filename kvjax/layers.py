@@ -63,10 +63,10 @@ def linear_t(x, w_OI, preferred_element_type=None, *,
   RMSNorm's output). For a single row the product is then written plainly,
   `x @ W.T`: XLA's CPU backend turns that matrix-vector product into one
   loop over the weight's rows, split across the cores, with the norm's
-  multiplies fused in. Medium's batch-1 decode (q/k/v and gate/up products)
-  ran 1.5-6.6 % faster in three same-process A/Bs (WORKSPACE.md). Not for
-  inputs made by expensive ops (the down product's SiLU, the attention
-  output): the loop recomputes its input once per weight row.
+  multiplies fused in: medium's batch-1 decode ran 5.6 % (GQA) and 8.9 %
+  (MLA) faster in same-process A/Bs (WORKSPACE.md). Not for inputs
+  that cost work to make (the down product's SiLU, the attention's value
+  product): the loop would redo that work once per weight row.
   """
   lead, n_out = x.shape[:-1], w_OI.shape[0]
   rows = x.reshape(-1, x.shape[-1])
