@@ -144,9 +144,11 @@ def mla_attention(p, x_BTD, step: Step, cache, layer, config: ModelConfig):
   B, T, _ = x_BTD.shape
   N = config.num_heads
   if "q_a_t" in p:  # kvjax.packed: dense weights [out, in]
-    q_lat_BTQ = rms_norm(linear_t(x_BTD, p["q_a_t"], norm_input=True), p["q_a_norm"],
-                         MLA_NORM_EPS)
-    q_BTNJ = linear_t(q_lat_BTQ, p["q_b_t"], norm_input=True).reshape(B, T, N, -1)
+    # Every input product here is fed by an RMSNorm (`norm_input`).
+    q_lat_BTQ = rms_norm(linear_t(x_BTD, p["q_a_t"], norm_input=True),
+                         p["q_a_norm"], MLA_NORM_EPS)
+    q_BTNJ = linear_t(q_lat_BTQ, p["q_b_t"],
+                      norm_input=True).reshape(B, T, N, -1)
   elif "q_t" in p:
     q_BTNJ = linear_t(x_BTD, p["q_t"], norm_input=True).reshape(B, T, N, -1)
   elif "q_a" in p:
