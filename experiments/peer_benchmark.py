@@ -8,10 +8,13 @@ saves it as safetensors, loads the same weights into kvjax with
 `kvjax.load_checkpoint`, checks that both give the same prefill logits and
 greedy tokens, then times both alternately in one run (kvjax generate,
 kvjax prefill, transformers generate, transformers prefill, repeated; warm-up
-excluded; medians) at every batch, for every kvjax params layout (scan,
-unrolled, packed: kvjax.packed). Decode tokens/s = B·(new − 1) /
-(t_generate − t_prefill), the same definition for both; prefill = a
-generate of one token. Prints the ratios, writes peer.json and peer.png.
+excluded; medians) at every batch, for every kvjax params layout in
+--layouts (scan, unrolled, packed: kvjax.packed). Decode tokens/s =
+B·(new − 1) / (t_generate − t_prefill), the same definition for both;
+prefill = a generate of one token. The headline ratio is the ratio of the
+medians; the ratios of the rounds (each round's kvjax and transformers
+rates, timed side by side) give its spread within the run: min, quartiles,
+max. Prints the ratios, writes peer.json and peer.png.
 
 transformers and torch are optional (`pip install -e .[bench]`); without
 them the script exits with a message saying so.
@@ -49,6 +52,10 @@ _BATCHES = flags.DEFINE_list("batches", ["1", "8"], "Batch sizes.")
 _PROMPT = flags.DEFINE_integer("prompt_len", 128, "Prompt tokens.")
 _NEW = flags.DEFINE_integer("new_tokens", 256, "Generated tokens.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed rounds (medians).")
+_LAYOUTS = flags.DEFINE_list(
+    "layouts", list(packed.LAYOUTS),
+    f"kvjax params layouts to time (of {', '.join(packed.LAYOUTS)}); fewer "
+    "layouts leave time for more rounds.")
 _CHECK_TOKENS = flags.DEFINE_integer(
     "check_tokens", 32, "Greedy tokens compared between the two (batch 1).")
 _OMP_PASSIVE = flags.DEFINE_bool(
@@ -91,8 +98,23 @@ def hf_llama_config(transformers, config: kvjax.ModelConfig):
       eos_token_id=None, pad_token_id=None)
 
 
+def _check_flags():
+  """Bad flag values stop the run before any model is built."""
+  bad = [x for x in _LAYOUTS.value if x not in packed.LAYOUTS]
+  if bad or not _LAYOUTS.value or len(set(_LAYOUTS.value)) != len(
+      _LAYOUTS.value):
+    raise ValueError(f"--layouts={','.join(_LAYOUTS.value)}: expected "
+                     f"distinct names of {packed.LAYOUTS}")
+  if _REPEATS.value < 1:
+    raise ValueError(f"--repeats={_REPEATS.value}: must be >= 1")
+  if _NEW.value < 2:
+    raise ValueError(f"--new_tokens={_NEW.value}: must be >= 2 (decode "
+                     "time = generate - prefill)")
+
+
 def main(argv):
   del argv
+  _check_flags()
   torch, transformers = _import_peer()
   if _TORCH_THREADS.value:
     torch.set_num_threads(_TORCH_THREADS.value)
@@ -109,7 +131,7 @@ def main(argv):
   # Every params layout (kvjax.packed.LAYOUTS), timed side by side.
   layouts = {name: jax.block_until_ready(packed.layout(params, kv_config,
                                                        name))
-             for name in packed.LAYOUTS}
+             for name in _LAYOUTS.value}
   logging.info("preset %s: %.1fM params; torch %s (%d threads, "
                "OMP_WAIT_POLICY=%s), transformers %s, attn %s",
                _CONFIG.value.preset, kvjax.param_count(kv_config) / 1e6,
@@ -170,20 +192,29 @@ def main(argv):
     fns["hf_prefill"] = lambda: (hf_generate(ids_t, 1), None)[1]
     t = bm.time_alternating(fns, warmup=1, repeats=_REPEATS.value)
     row = {name: timing.to_dict() for name, timing in t.items()}
+    rates = {}
     for who in [f"kvjax_{lay}" for lay in layouts] + ["hf"]:
       decode_s = t[f"{who}_generate"].median - t[f"{who}_prefill"].median
       row[f"{who}_decode_tokens_per_s"] = B * (N - 1) / decode_s
       row[f"{who}_prefill_s"] = t[f"{who}_prefill"].median
+      rates[who] = bm.round_rates(t[f"{who}_generate"], t[f"{who}_prefill"],
+                                  B * (N - 1))
     for lay in layouts:
       row[f"decode_ratio_{lay}"] = (row[f"kvjax_{lay}_decode_tokens_per_s"] /
                                     row["hf_decode_tokens_per_s"])
+      rounds = bm.paired_ratios(rates[f"kvjax_{lay}"], rates["hf"])
+      row[f"decode_ratio_{lay}_rounds"] = rounds
+      row[f"decode_ratio_{lay}_spread"] = bm.spread(rounds)
       row[f"prefill_ratio_{lay}"] = (row["hf_prefill_s"] /
                                      row[f"kvjax_{lay}_prefill_s"])
+      sp = row[f"decode_ratio_{lay}_spread"]
       logging.info(
           "batch %d, kvjax %s: decode kvjax %.1f tok/s, transformers %.1f "
-          "tok/s -> %.2fx | prefill %dx%d kvjax %.1f ms, transformers %.1f ms"
-          " -> %.2fx", B, lay, row[f"kvjax_{lay}_decode_tokens_per_s"],
-          row["hf_decode_tokens_per_s"], row[f"decode_ratio_{lay}"], B, T,
+          "tok/s -> %.2fx (rounds: min %.2f, quartiles %.2f-%.2f, max %.2f)"
+          " | prefill %dx%d kvjax %.1f ms, transformers %.1f ms -> %.2fx",
+          B, lay, row[f"kvjax_{lay}_decode_tokens_per_s"],
+          row["hf_decode_tokens_per_s"], row[f"decode_ratio_{lay}"],
+          sp["min"], sp["q1"], sp["q3"], sp["max"], B, T,
           1e3 * row[f"kvjax_{lay}_prefill_s"], 1e3 * row["hf_prefill_s"],
           row[f"prefill_ratio_{lay}"])
     results["batches"][B] = row
@@ -199,13 +230,14 @@ def main(argv):
     ax.bar(x + 0.2 * i, [results["batches"][b][f"{who}_decode_tokens_per_s"]
                          for b in bs], 0.2,
            label=who.replace("_", " ") if who != "hf" else "transformers")
-  ax.set(xticks=x + 0.3, xticklabels=[f"batch {b}" for b in bs],
+  ax.set(xticks=x + 0.1 * (len(whos) - 1), xticklabels=[f"batch {b}" for b in bs],
          ylabel="decode tokens/s",
          title=f"{_CONFIG.value.preset}: same weights, same run")
   ax.legend()
   fig.tight_layout()
   fig.savefig(os.path.join(_WORKDIR.value, "peer.png"), dpi=120)
-  print(json.dumps({b: {k: v for k, v in r.items() if "ratio" in k}
+  print(json.dumps({b: {k: v for k, v in r.items()
+                        if "ratio" in k and not k.endswith("_rounds")}
                     for b, r in results["batches"].items()}))
 
 

@@ -7,7 +7,9 @@ every number:
 
   timing     `time_fn` (warm-up, `block_until_ready`, median),
              `time_alternating` (A B A B ... in one run: ratios are not
-             skewed by load that changes over time), `compile_seconds`.
+             skewed by load that changes over time), `round_rates`,
+             `paired_ratios` and `spread` (per-round decode rates and
+             ratios of one run, and their quartiles), `compile_seconds`.
   probes     `read_bandwidth` (a pure streaming read), `triad_bandwidth`
              (a = b + s·c into a donated buffer), `matvec_bandwidth` (the
              batch-1 decode pattern x @ W), `matmul_peak` (FLOP/s of a large
@@ -114,6 +116,57 @@ def time_alternating(fns: Mapping[str, Callable[[], Any]], *, warmup: int = 1,
       jax.block_until_ready(fn())
       out[name].append(time.perf_counter() - t0)
   return {name: Timing(tuple(ts)) for name, ts in out.items()}
+
+
+def round_rates(generate: Timing, prefill: Timing,
+                tokens: int) -> tuple[float, ...]:
+  """Decode tokens/s of every timed round: tokens / (t_generate − t_prefill)
+  with both times from the same round of a `time_alternating` run.
+
+  Raises:
+    ValueError: unequal round counts, tokens < 1, or a round whose generate
+      took no longer than its prefill (no decode time to divide by).
+  """
+  g, p = generate.seconds, prefill.seconds
+  if len(g) != len(p):
+    raise ValueError(f"generate has {len(g)} rounds, prefill {len(p)}: "
+                     "time them in one time_alternating call")
+  if tokens < 1:
+    raise ValueError(f"tokens must be >= 1, got {tokens}")
+  out = []
+  for r, (tg, tp) in enumerate(zip(g, p)):
+    if tg <= tp:
+      raise ValueError(f"round {r}: generate took {tg:.4g} s, no longer than "
+                       f"prefill ({tp:.4g} s); decode more tokens")
+    out.append(tokens / (tg - tp))
+  return tuple(out)
+
+
+def paired_ratios(num, den) -> tuple[float, ...]:
+  """num[r] / den[r] for every round r (e.g. two `round_rates` of one run).
+
+  Why: the ratio of two medians is one number; the ratios of rounds timed
+  side by side (A B A B ...) show how far a single run's ratio can be
+  trusted on a shared, noisy machine.
+
+  Raises:
+    ValueError: unequal lengths, no rounds, or a non-positive denominator.
+  """
+  if len(num) != len(den) or not num:
+    raise ValueError(f"paired_ratios needs equal, non-empty sequences, got "
+                     f"{len(num)} and {len(den)} values")
+  if min(den) <= 0:
+    raise ValueError(f"paired_ratios: non-positive denominator {min(den)}")
+  return tuple(a / b for a, b in zip(num, den))
+
+
+def spread(values) -> dict[str, float]:
+  """min, lower quartile, median, upper quartile and max of `values`
+  (quartiles by linear interpolation, as numpy's default)."""
+  if not len(values):  # pylint: disable=g-explicit-length-test
+    raise ValueError("spread of no values")
+  q = np.quantile(np.asarray(values, np.float64), [0, 0.25, 0.5, 0.75, 1])
+  return dict(zip(("min", "q1", "median", "q3", "max"), map(float, q)))
 
 
 def compile_seconds(jitted, *args, **kwargs) -> dict[str, float]:

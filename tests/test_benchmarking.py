@@ -65,6 +65,36 @@ class TimingTest(parameterized.TestCase):
       bm.time_alternating({"a": lambda: jnp.zeros(())}, warmup=warmup,
                           repeats=repeats)
 
+  def test_round_rates_pair_each_round_with_its_own_prefill(self):
+    g = bm.Timing((2.0, 3.0, 2.5))
+    p = bm.Timing((0.5, 1.0, 0.5))
+    self.assertSequenceAlmostEqual(bm.round_rates(g, p, 30),
+                                   (30 / 1.5, 30 / 2.0, 30 / 2.0))
+
+  def test_round_rates_bad_input_raises(self):
+    g, p = bm.Timing((2.0, 3.0)), bm.Timing((0.5, 0.5))
+    with self.assertRaisesRegex(ValueError, "rounds"):
+      bm.round_rates(g, bm.Timing((0.5,)), 10)
+    with self.assertRaisesRegex(ValueError, "tokens"):
+      bm.round_rates(g, p, 0)
+    with self.assertRaisesRegex(ValueError, "round 1: generate"):
+      bm.round_rates(g, bm.Timing((0.5, 3.0)), 10)
+
+  def test_paired_ratios_and_spread(self):
+    r = bm.paired_ratios((10.0, 30.0, 20.0, 40.0), (5.0, 10.0, 5.0, 10.0))
+    self.assertSequenceAlmostEqual(r, (2.0, 3.0, 4.0, 4.0))
+    sp = bm.spread(r)
+    self.assertEqual(sp["min"], 2.0)
+    self.assertEqual(sp["max"], 4.0)
+    self.assertAlmostEqual(sp["median"], 3.5)
+    self.assertAlmostEqual(sp["q1"], 2.75)  # linear interpolation
+    self.assertAlmostEqual(sp["q3"], 4.0)
+    for bad in [((1.0,), (1.0, 2.0)), ((), ()), ((1.0,), (0.0,))]:
+      with self.assertRaisesRegex(ValueError, "paired_ratios"):
+        bm.paired_ratios(*bad)
+    with self.assertRaisesRegex(ValueError, "no values"):
+      bm.spread(())
+
   def test_compile_seconds(self):
     f = jax.jit(lambda x: jnp.sin(x) @ x)
     out = bm.compile_seconds(f, jnp.ones((8, 8)))

@@ -7,9 +7,11 @@ with status 1 after printing help; a failed import prints a traceback).
 """
 
 import glob
+import json
 import os
 import subprocess
 import sys
+import tempfile
 
 from absl.testing import absltest
 
@@ -32,6 +34,47 @@ class ExperimentsImportTest(absltest.TestCase):
       self.assertNotIn("Traceback", out + err, f"{name}:\n{err[-3000:]}")
       self.assertIn(name, out + err, f"{name} printed no flag help")
       self.assertIn("--", out + err, name)
+
+
+class PeerBenchmarkTest(absltest.TestCase):
+  """The peer benchmark end to end on the tiny preset (torch and
+  transformers come with the test extra)."""
+
+  def _run(self, *flags):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.run(
+        [sys.executable, os.path.join(ROOT, "experiments",
+                                      "peer_benchmark.py"), *flags],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+  def test_tiny_run_writes_ratios_and_their_spread(self):
+    with tempfile.TemporaryDirectory() as tmp:
+      proc = self._run("--config=configs/model.py:gqa-tiny", "--batches=1,2",
+                       "--prompt_len=8", "--new_tokens=6", "--repeats=3",
+                       "--layouts=packed", "--check_tokens=4",
+                       f"--workdir={tmp}")
+      self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+      with open(os.path.join(tmp, "peer.json")) as f:
+        out = json.load(f)
+      self.assertTrue(os.path.getsize(os.path.join(tmp, "peer.png")) > 0)
+    self.assertLess(out["max_logit_diff"], 1e-4)
+    self.assertEqual(out["greedy_agree"], {"packed": 4})
+    self.assertEqual(sorted(out["batches"]), ["1", "2"])
+    for row in out["batches"].values():
+      self.assertNotIn("kvjax_scan_generate", row)  # only --layouts timed
+      rounds = row["decode_ratio_packed_rounds"]
+      self.assertLen(rounds, 3)
+      sp = row["decode_ratio_packed_spread"]
+      self.assertEqual(sp["min"], min(rounds))
+      self.assertEqual(sp["max"], max(rounds))
+      self.assertAlmostEqual(sp["median"], sorted(rounds)[1])
+      self.assertGreater(row["decode_ratio_packed"], 0)
+
+  def test_bad_layouts_fail_before_building_a_model(self):
+    proc = self._run("--layouts=packed,paged")
+    self.assertNotEqual(proc.returncode, 0)
+    self.assertIn("--layouts=packed,paged", proc.stderr)
+    self.assertNotIn("params; torch", proc.stderr)
 
 
 if __name__ == "__main__":
