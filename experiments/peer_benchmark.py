@@ -13,8 +13,8 @@ excluded; medians) at every batch, for every kvjax params layout in
 B·(new − 1) / (t_generate − t_prefill), the same definition for both;
 prefill = a generate of one token. The headline ratio is the ratio of the
 medians; the ratios of the rounds (each round's kvjax and transformers
-rates, timed side by side) give its spread within the run: min, quartiles,
-max. Prints the ratios, writes peer.json and peer.png.
+decode rates, timed side by side; `benchmarking.round_rates`) give its
+spread within the run: min, quartiles, max. Prints the ratios, writes peer.json and peer.png.
 
 transformers and torch are optional (`pip install -e .[bench]`); without
 them the script exits with a message saying so.
@@ -199,6 +199,7 @@ def main(argv):
       row[f"{who}_prefill_s"] = t[f"{who}_prefill"].median
       rates[who] = bm.round_rates(t[f"{who}_generate"], t[f"{who}_prefill"],
                                   B * (N - 1))
+      row[f"{who}_decode_tokens_per_s_rounds"] = rates[who]
     for lay in layouts:
       row[f"decode_ratio_{lay}"] = (row[f"kvjax_{lay}_decode_tokens_per_s"] /
                                     row["hf_decode_tokens_per_s"])
@@ -227,11 +228,22 @@ def main(argv):
   x = np.arange(len(bs))
   whos = [f"kvjax_{lay}" for lay in layouts] + ["hf"]
   for i, who in enumerate(whos):
-    ax.bar(x + 0.2 * i, [results["batches"][b][f"{who}_decode_tokens_per_s"]
-                         for b in bs], 0.2,
+    rows = [results["batches"][b] for b in bs]
+    height = np.array([r[f"{who}_decode_tokens_per_s"] for r in rows])
+    # Whiskers: the quartiles of the rounds' rates (bm.spread).
+    q = [bm.spread(r[f"{who}_decode_tokens_per_s_rounds"]) for r in rows]
+    yerr = np.array([[max(h - s["q1"], 0), max(s["q3"] - h, 0)]
+                     for h, s in zip(height, q)]).T
+    ax.bar(x + 0.2 * i, height, 0.2, yerr=yerr, capsize=3,
            label=who.replace("_", " ") if who != "hf" else "transformers")
+    if who != "hf":
+      for xi, h, r in zip(x, height, rows):
+        lay = who[len("kvjax_"):]
+        ax.annotate(f"{r[f'decode_ratio_{lay}']:.2f}×", (xi + 0.2 * i, h),
+                    ha="center", va="bottom", fontsize=8,
+                    xytext=(0, 4), textcoords="offset points")
   ax.set(xticks=x + 0.1 * (len(whos) - 1), xticklabels=[f"batch {b}" for b in bs],
-         ylabel="decode tokens/s",
+         ylabel="decode tokens/s (whiskers: rounds' quartiles)",
          title=f"{_CONFIG.value.preset}: same weights, same run")
   ax.legend()
   fig.tight_layout()

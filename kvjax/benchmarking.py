@@ -120,24 +120,27 @@ def time_alternating(fns: Mapping[str, Callable[[], Any]], *, warmup: int = 1,
 
 def round_rates(generate: Timing, prefill: Timing,
                 tokens: int) -> tuple[float, ...]:
-  """Decode tokens/s of every timed round: tokens / (t_generate − t_prefill)
-  with both times from the same round of a `time_alternating` run.
+  """Decode tokens/s of every timed generate round:
+  tokens / (t_generate[r] − median prefill).
+
+  Why the median prefill: a generate is a prefill plus the decode, and the
+  prefill's best estimate is its median. Subtracting each round's own
+  prefill time would add that single timing's noise to the decode time.
 
   Raises:
-    ValueError: unequal round counts, tokens < 1, or a round whose generate
-      took no longer than its prefill (no decode time to divide by).
+    ValueError: tokens < 1, no rounds, or a round whose generate took no
+      longer than the median prefill (no decode time to divide by).
   """
-  g, p = generate.seconds, prefill.seconds
-  if len(g) != len(p):
-    raise ValueError(f"generate has {len(g)} rounds, prefill {len(p)}: "
-                     "time them in one time_alternating call")
   if tokens < 1:
     raise ValueError(f"tokens must be >= 1, got {tokens}")
+  if not generate.seconds or not prefill.seconds:
+    raise ValueError("round_rates needs timed rounds of both calls")
+  tp = prefill.median
   out = []
-  for r, (tg, tp) in enumerate(zip(g, p)):
+  for r, tg in enumerate(generate.seconds):
     if tg <= tp:
       raise ValueError(f"round {r}: generate took {tg:.4g} s, no longer than "
-                       f"prefill ({tp:.4g} s); decode more tokens")
+                       f"the median prefill ({tp:.4g} s); decode more tokens")
     out.append(tokens / (tg - tp))
   return tuple(out)
 

@@ -4,6 +4,7 @@ The scripts are thin absl mains over the library; a renamed library symbol
 or a missing import would otherwise surface only when someone runs a
 benchmark. Each script runs `--helpshort` in its own process (absl exits
 with status 1 after printing help; a failed import prints a traceback).
+The peer benchmark also runs end to end on the tiny preset.
 """
 
 import glob
@@ -14,6 +15,7 @@ import sys
 import tempfile
 
 from absl.testing import absltest
+import numpy as np
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "experiments", "*.py")))
@@ -50,7 +52,7 @@ class PeerBenchmarkTest(absltest.TestCase):
   def test_tiny_run_writes_ratios_and_their_spread(self):
     with tempfile.TemporaryDirectory() as tmp:
       proc = self._run("--config=configs/model.py:gqa-tiny", "--batches=1,2",
-                       "--prompt_len=8", "--new_tokens=6", "--repeats=3",
+                       "--prompt_len=8", "--new_tokens=64", "--repeats=3",
                        "--layouts=packed", "--check_tokens=4",
                        f"--workdir={tmp}")
       self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
@@ -64,6 +66,9 @@ class PeerBenchmarkTest(absltest.TestCase):
       self.assertNotIn("kvjax_scan_generate", row)  # only --layouts timed
       rounds = row["decode_ratio_packed_rounds"]
       self.assertLen(rounds, 3)
+      kv, hf = (row["kvjax_packed_decode_tokens_per_s_rounds"],
+                row["hf_decode_tokens_per_s_rounds"])
+      np.testing.assert_allclose(rounds, np.divide(kv, hf), rtol=1e-12)
       sp = row["decode_ratio_packed_spread"]
       self.assertEqual(sp["min"], min(rounds))
       self.assertEqual(sp["max"], max(rounds))
