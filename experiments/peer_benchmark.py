@@ -112,6 +112,38 @@ def _check_flags():
                      "time = generate - prefill)")
 
 
+def plot(results, layouts, path):
+  """Bars of decode tokens/s per batch (whiskers: the rounds' quartiles),
+  kvjax's ratio over each of its bars; `results` as written to peer.json."""
+  fig, ax = plt.subplots(figsize=(6, 3.5))
+  bs = list(results["batches"])
+  x = np.arange(len(bs))
+  whos = [f"kvjax_{lay}" for lay in layouts] + ["hf"]
+  for i, who in enumerate(whos):
+    rows = [results["batches"][b] for b in bs]
+    height = np.array([r[f"{who}_decode_tokens_per_s"] for r in rows])
+    q = [bm.spread(r[f"{who}_decode_tokens_per_s_rounds"]) for r in rows]
+    yerr = np.array([[max(h - s["q1"], 0), max(s["q3"] - h, 0)]
+                     for h, s in zip(height, q)]).T
+    ax.bar(x + 0.2 * i, height, 0.2, yerr=yerr, capsize=3,
+           label=who.replace("_", " ") if who != "hf" else "transformers")
+    if who != "hf":
+      for xi, h, s, r in zip(x, height, q, rows):
+        ax.annotate(f"{r['decode_ratio_' + who[len('kvjax_'):]]:.2f}×",
+                    (xi + 0.2 * i, max(h, s["q3"])), ha="center",
+                    va="bottom", fontsize=8, xytext=(0, 4),
+                    textcoords="offset points")
+  ax.set(xticks=x + 0.1 * (len(whos) - 1),
+         xticklabels=[f"batch {b}" for b in bs],
+         ylabel="decode tokens/s (whiskers: rounds' quartiles)",
+         title=f"{results['preset']}: same weights, same run")
+  ax.margins(y=0.12)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
 def main(argv):
   del argv
   _check_flags()
@@ -223,31 +255,7 @@ def main(argv):
   os.makedirs(_WORKDIR.value, exist_ok=True)
   with open(os.path.join(_WORKDIR.value, "peer.json"), "w") as f:
     json.dump(results, f, indent=1, default=float)
-  fig, ax = plt.subplots(figsize=(6, 3.5))
-  bs = list(results["batches"])
-  x = np.arange(len(bs))
-  whos = [f"kvjax_{lay}" for lay in layouts] + ["hf"]
-  for i, who in enumerate(whos):
-    rows = [results["batches"][b] for b in bs]
-    height = np.array([r[f"{who}_decode_tokens_per_s"] for r in rows])
-    # Whiskers: the quartiles of the rounds' rates (bm.spread).
-    q = [bm.spread(r[f"{who}_decode_tokens_per_s_rounds"]) for r in rows]
-    yerr = np.array([[max(h - s["q1"], 0), max(s["q3"] - h, 0)]
-                     for h, s in zip(height, q)]).T
-    ax.bar(x + 0.2 * i, height, 0.2, yerr=yerr, capsize=3,
-           label=who.replace("_", " ") if who != "hf" else "transformers")
-    if who != "hf":
-      for xi, h, r in zip(x, height, rows):
-        lay = who[len("kvjax_"):]
-        ax.annotate(f"{r[f'decode_ratio_{lay}']:.2f}×", (xi + 0.2 * i, h),
-                    ha="center", va="bottom", fontsize=8,
-                    xytext=(0, 4), textcoords="offset points")
-  ax.set(xticks=x + 0.1 * (len(whos) - 1), xticklabels=[f"batch {b}" for b in bs],
-         ylabel="decode tokens/s (whiskers: rounds' quartiles)",
-         title=f"{_CONFIG.value.preset}: same weights, same run")
-  ax.legend()
-  fig.tight_layout()
-  fig.savefig(os.path.join(_WORKDIR.value, "peer.png"), dpi=120)
+  plot(results, list(layouts), os.path.join(_WORKDIR.value, "peer.png"))
   print(json.dumps({b: {k: v for k, v in r.items()
                         if "ratio" in k and not k.endswith("_rounds")}
                     for b, r in results["batches"].items()}))
