@@ -14,7 +14,8 @@ B·(new − 1) / (t_generate − t_prefill), the same definition for both;
 prefill = a generate of one token. The headline ratio is the ratio of the
 medians; the ratios of the rounds (each round's kvjax and transformers
 decode rates, timed side by side; `benchmarking.round_rates`) give its
-spread within the run: min, quartiles, max. Prints the ratios, writes peer.json and peer.png.
+spread within the run: min, quartiles, max. Prints the ratios, writes
+peer.json and peer.png (`plot`: the rounds' quartiles as whiskers).
 
 transformers and torch are optional (`pip install -e .[bench]`); without
 them the script exits with a message saying so.
