@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from kvjax import blocked as blocked_lib
 from kvjax import cache as cache_lib
 from kvjax import kivi
 from kvjax import quant
@@ -179,7 +180,8 @@ def gqa_attention(p, x_BTD, step: Step, cache, layer, config: ModelConfig):
       (`kvjax.packed`), qkv_t [(N+2K)·H, D] and o_t [D, N·H] for q/k/v/o.
     x_BTD: normalized input.
     step: the call context.
-    cache: KVCache or None (mode 'forward').
+    cache: KVCache, a decode segment's `blocked.BlockedKV`, or None (mode
+      'forward').
     layer: index of this layer in the cache's L axis (traced).
   Returns:
     (y_BTD, new_cache)
@@ -208,6 +210,12 @@ def gqa_attention(p, x_BTD, step: Step, cache, layer, config: ModelConfig):
   # `cache` position mode stores keys unrotated and rotates at read time.
   k_store_BTKH = k_BTKH if pre_rope else k_rot_BTKH
 
+  q_BTKGH = q_BTNH.reshape(B, T, K, G, H)
+  if isinstance(cache, blocked_lib.BlockedKV):  # generate's batched decode
+    cache = blocked_lib.write(cache, layer, step.slots, k_store_BTKH, v_BTKH)
+    out_BTKGH, _ = blocked_lib.attend(q_BTKGH, cache, layer, step.mask,
+                                      config.softmax_scale)
+    return project_out(p, out_BTKGH.reshape(B, T, N, H)), cache
   if step.mode == "decode":
     cache = write_kv(cache, layer, step.slots, k_store_BTKH, v_BTKH)
     k_BKSH, v_BKSH = read_kv(cache, layer, dtype, step.attend)
@@ -225,7 +233,6 @@ def gqa_attention(p, x_BTD, step: Step, cache, layer, config: ModelConfig):
       cache = write_kv(cache, layer, step.slots, k_store_BTKH, v_BTKH,
                        fresh=step.mode == "prefill")
 
-  q_BTKGH = q_BTNH.reshape(B, T, K, G, H)
   out_BTKGH, probs = attend(q_BTKGH, k_BKSH, v_BKSH, step.mask,
                             config.softmax_scale, config.attention_impl)
   if cache is not None:

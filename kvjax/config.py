@@ -4,7 +4,9 @@ Dimension alphabet (used in every docstring, hot-path name and einsum string):
   B batch, T query length, S key/value length (cache slots), N query heads,
   K kv heads, G = N // K groups, H head dim, D model width, L layers,
   V vocab, F MLP hidden, C MLA latent rank, R rope dim (MLA rotary key),
-  P MLA non-rotary (nope) query/key dim, E experts, Q MLA query latent rank.
+  P MLA non-rotary (nope) query/key dim, E experts, Q MLA query latent rank,
+  W key blocks of a blocked decode cache (S / X), X slots per key block
+  (`kvjax.blocked`).
 
 `ConfigDict`s live at the script edge; the library takes a `ModelConfig`
 built once with `ModelConfig.from_dict`.

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import blocked
 from kvjax import cache as cache_lib
 from kvjax import model
 from kvjax.config import ModelConfig
@@ -377,14 +378,16 @@ def _generation_inputs(params, config, tokens, max_new_tokens, attention_mask,
 @functools.partial(
     jax.jit,
     static_argnames=("config", "steps", "sampler", "return_logits",
-                     "stop_tokens", "pad_id", "shardings", "schedule"),
+                     "stop_tokens", "pad_id", "shardings", "schedule",
+                     "blocked_decode"),
     donate_argnames=("cache",))
 def _generate(params, config, tokens, mask, cache, rng, steps, sampler,
               return_logits, stop_tokens, pad_id, shardings=None,
-              schedule=None):
+              schedule=None, blocked_decode=False):
   """Prefill, then `steps - 1` decode steps (scans, one per `schedule`
   segment) or a while_loop with stop tokens; the last sampled token is never
-  fed back."""
+  fed back. blocked_decode: segments whose attended prefix
+  `kvjax.blocked` supports decode over a `BlockedKV` of it."""
   pin = functools.partial(_pin, shardings)
   logits_B1V, cache = pin(*model.prefill_logits(params, config, tokens, mask,
                                                 cache, False))
@@ -396,23 +399,32 @@ def _generate(params, config, tokens, mask, cache, rng, steps, sampler,
     tok0 = sampler(logits_BV, keys[0])
 
     def body(carry, key, attend):
-      tok_B, cache = carry
+      # RoPE's cos/sin ride in the carry: computed once per step, not per
+      # consumer (`model.decode_rope`).
+      tok_B, cache, rope = carry
       next_BV, cache = pin(*model.decode_logits(params, config, tok_B, cache,
-                                                attend))
+                                                attend, rope))
       nxt_B = sampler(next_BV, key)
-      return (nxt_B, cache), (nxt_B, next_BV if return_logits else None)
+      return ((nxt_B, cache, model.decode_rope(config, cache)),
+              (nxt_B, next_BV if return_logits else None))
 
-    carry, toks, logits, start = (tok0, cache), [], [], 1
+    tok_B, toks, logits, start = tok0, [], [], 1
     for n, attend in schedule or ((steps - 1, 0),):
-      carry, (t_SB, l_SBV) = jax.lax.scan(
-          functools.partial(body, attend=attend), carry,
+      prefix = attend or cache.capacity
+      use_blocked = (blocked_decode and
+                     blocked.supports(cache, prefix) is None)
+      seg = blocked.from_cache(cache, prefix) if use_blocked else cache
+      (tok_B, seg, _), (t_SB, l_SBV) = jax.lax.scan(
+          functools.partial(body, attend=0 if use_blocked else attend),
+          (tok_B, seg, model.decode_rope(config, seg)),
           keys[start:start + n])
+      cache = blocked.into_cache(cache, seg) if use_blocked else seg
       toks.append(t_SB)
       logits.append(l_SBV)
       start += n
     # The loop's result carries whatever sharding propagation chose for it;
     # pin it to the plan like every step's (no-op without shardings).
-    cache = pin(None, carry[1])[1]
+    cache = pin(None, cache)[1]
     toks_SB = jnp.concatenate(toks, axis=0)
     logits_SBV = jnp.concatenate(logits, axis=0) if return_logits else None
     toks_BS = jnp.concatenate([tok0[:, None], toks_SB.T], axis=1)
@@ -453,9 +465,57 @@ def _generate(params, config, tokens, mask, cache, rng, steps, sampler,
   return out_BS, (out_logits if return_logits else None), cache
 
 
+DECODE_LAYOUTS = ("auto", "stacked", "blocked")
+
+
+def _use_blocked(decode_layout: str, params, config: ModelConfig,
+                 policy: cache_lib.CachePolicy, batch: int, schedule) -> bool:
+  """Whether generate's decode segments run over `kvjax.blocked.BlockedKV`
+  ('auto': where supported, batch > 1, on CPU; see `generate`).
+
+  Raises:
+    ValueError: an unknown layout, or 'blocked' where it cannot run.
+  """
+  if decode_layout not in DECODE_LAYOUTS:
+    raise ValueError(f"decode_layout={decode_layout!r} is not one of "
+                     f"{DECODE_LAYOUTS}")
+  if decode_layout == "stacked":
+    return False
+  why = None
+  if schedule is None:
+    why = ("it runs the attention segments, which need attend_buckets, "
+           "eviction='none', positions='original', no stop tokens and no "
+           "shardings")
+  elif config.attention != "gqa":
+    why = f"attention={config.attention!r} has no per-head keys"
+  elif policy.quantized:
+    why = f"kv_dtype={policy.kv_dtype!r} (int8 scales are not blocked)"
+  elif not all(isinstance(params[n], (list, tuple))
+               for n in ("layers", "moe_layers") if n in params):
+    why = ("stacked layer params (layout 'scan') reach the cache by a traced "
+           "layer index; per-layer arrays need unrolled layers (layouts "
+           "'unrolled', 'packed')")
+  if decode_layout == "blocked":
+    if why:
+      raise ValueError(f"decode_layout='blocked': {why}")
+    return True
+  # Measured on CPU only (WORKSPACE.md); elsewhere 'auto' keeps the stacked
+  # cache until a device run says otherwise.
+  return why is None and batch > 1 and _platform(params) == "cpu"
+
+
+def _platform(params) -> str:
+  """The platform the params live on (numpy leaves: the default backend)."""
+  leaf = jax.tree_util.tree_leaves(params)[0]
+  if isinstance(leaf, jax.Array):
+    return next(iter(leaf.devices())).platform
+  return jax.default_backend()
+
+
 def _generate_args(params, config, tokens, max_new_tokens, attention_mask,
                    sampler, rng, capacity, policy, stop_tokens, pad_id,
-                   return_logits, bucket, shardings, attend_buckets):
+                   return_logits, bucket, shardings, attend_buckets,
+                   decode_layout="auto"):
   """Validates a `generate` call; returns the arguments of `_generate`."""
   tokens, mask = _generation_inputs(params, config, tokens, max_new_tokens,
                                     attention_mask, bucket)
@@ -465,6 +525,15 @@ def _generate_args(params, config, tokens, max_new_tokens, attention_mask,
   if capacity is None:
     capacity = policy.round_capacity(
         default_capacity(tokens.shape[1], max_new_tokens))
+  schedule = None
+  if (attend_buckets and policy.eviction == "none" and
+      policy.positions == "original" and not stop_tokens and
+      shardings is None):
+    schedule = attention_schedule(
+        T, int(max_new_tokens) - 1, capacity,
+        policy.key_group if policy.channel_keys else 1)
+  use_blocked = _use_blocked(decode_layout, params, config, policy, B,
+                             schedule)
   if shardings is not None:
     shardings.check_config(config)
     cache = shardings.init_cache(B, capacity, policy=policy)
@@ -482,16 +551,9 @@ def _generate_args(params, config, tokens, max_new_tokens, attention_mask,
     params, cache, (tokens, mask) = _place(shardings, config, params, cache,
                                            tokens, mask)
     rng = shardings.put(rng, ())
-  schedule = None
-  if (attend_buckets and policy.eviction == "none" and
-      policy.positions == "original" and not stop_tokens and
-      shardings is None):
-    schedule = attention_schedule(
-        T, int(max_new_tokens) - 1, capacity,
-        policy.key_group if policy.channel_keys else 1)
   return (params, config, tokens, mask, cache, rng, int(max_new_tokens),
           sampler, return_logits, tuple(int(t) for t in stop_tokens), pad_id,
-          shardings, schedule)
+          shardings, schedule, use_blocked)
 
 
 def generate(params, config: ModelConfig, tokens, max_new_tokens: int, *,
@@ -500,7 +562,8 @@ def generate(params, config: ModelConfig, tokens, max_new_tokens: int, *,
              policy: cache_lib.CachePolicy | None = None,
              stop_tokens=(), pad_id: int = 0, return_logits: bool = False,
              return_cache: bool = False, bucket: bool = True,
-             shardings=None, attend_buckets: bool = True):
+             shardings=None, attend_buckets: bool = True,
+             decode_layout: str = "auto"):
   """Prefill + decode with the KV cache.
 
   Args:
@@ -527,6 +590,17 @@ def generate(params, config: ModelConfig, tokens, max_new_tokens: int, *,
       capacity. Same results; used with eviction 'none',
       positions 'original', no stop tokens and no shardings (otherwise the
       whole cache is attended).
+    decode_layout: the cache layout the decode steps of those segments
+      read. 'stacked': the `KVCache` itself. 'blocked': each segment copies
+      its attended prefix into per-layer arrays with keys transposed in
+      blocks of 64 slots (`kvjax.blocked`) and back after it; same tokens
+      and logits, faster batched decode on CPU (WORKSPACE.md). It needs the
+      segments, attention 'gqa', a float kv_dtype and unrolled layer params
+      (layouts 'unrolled' / 'packed'); a segment whose prefix is not a
+      multiple of 64 slots reads the stacked cache. 'auto' (default):
+      'blocked' where it can run, the batch is > 1 (at batch 1 XLA:CPU
+      copies a per-layer array on each one-token write) and the params are
+      on CPU (where it was measured), else 'stacked'.
   Returns:
     new ids [B, max_new_tokens]; with return_logits / return_cache a tuple
     (ids, logits [B, max_new_tokens, V] or None, cache or None).
@@ -534,7 +608,7 @@ def generate(params, config: ModelConfig, tokens, max_new_tokens: int, *,
   args = _generate_args(params, config, tokens, max_new_tokens,
                         attention_mask, sampler, rng, capacity, policy,
                         stop_tokens, pad_id, return_logits, bucket, shardings,
-                        attend_buckets)
+                        attend_buckets, decode_layout)
   toks, logits, cache = _generate(*args)
   if return_logits or return_cache:
     return toks, logits, (cache if return_cache else None)
@@ -549,7 +623,8 @@ def lower_generate(params, config: ModelConfig, tokens, max_new_tokens: int,
   temporaries and the peak, device-agnostic)."""
   kw = dict(attention_mask=None, sampler=GREEDY, rng=None, capacity=None,
             policy=None, stop_tokens=(), pad_id=0, return_logits=False,
-            bucket=True, shardings=None, attend_buckets=True)
+            bucket=True, shardings=None, attend_buckets=True,
+            decode_layout="auto")
   unknown = set(kwargs) - set(kw)
   if unknown:
     raise ValueError(f"lower_generate: unknown arguments {sorted(unknown)}")

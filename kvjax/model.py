@@ -384,13 +384,31 @@ def commit_positions(cache, q_pos_BT, slots_BT, new_length_B,
   return cache.replace(**new)
 
 
-def decode_step_info(config: ModelConfig, cache, attend: int = 0):
+def decode_rope(config: ModelConfig, cache):
+  """cos, sin [B, 1, R/2] rotating the next decode query (position
+  `cache.length`); None in `cache` position mode (rotations by rank).
+
+  Why a decode loop carries these instead of letting each step compute
+  them: XLA fuses the cos/sin of a step into every consumer, so each
+  layer's q and k rotations re-evaluate them per element (24 fusions per
+  step for medium), and a blocked decode cache repeats the query per key
+  block (`kvjax.blocked`). Carried, they are loop inputs, computed once.
+  """
+  if cache.policy.positions == "cache":
+    return None
+  return _rope(config, cache.length[:, None])
+
+
+def decode_step_info(config: ModelConfig, cache, attend: int = 0,
+                     rope=None):
   """The decode Step and the cache with the new token's slot committed.
 
   attend > 0: attend over the first `attend` slots only; the caller
   guarantees that every filled slot (the new token's included) lies there,
   which needs eviction 'none' (filled slots are a prefix) and
   positions 'original' (see `Step.attend`).
+  rope: `decode_rope(config, cache)` computed by the caller (a decode loop
+  carries it), or None to compute it here.
   """
   S = cache.capacity
   if attend:
@@ -414,7 +432,8 @@ def decode_step_info(config: ModelConfig, cache, attend: int = 0):
     cos_q, sin_q = _rope(config, q_rank_B)
   else:
     cos_k = sin_k = None
-    cos_q, sin_q = _rope(config, q_pos_B[:, None])
+    cos_q, sin_q = rope if rope is not None else _rope(config,
+                                                       q_pos_B[:, None])
   return Step(q_pos=q_pos_B[:, None], mask=mask, cos_q=cos_q, sin_q=sin_q,
               slots=slots_B[:, None], cos_k=cos_k, sin_k=sin_k, mode="decode",
               want_scores=cache.policy.eviction == "h2o",
@@ -462,10 +481,11 @@ def extend_logits(params, config, tokens_BT, attention_mask_BT, cache,
   return unembed(params, x_BTD, config), cache
 
 
-def decode_logits(params, config, token_B, cache, attend: int = 0):
+def decode_logits(params, config, token_B, cache, attend: int = 0,
+                  rope=None):
   """One token per sequence. Returns (logits [B, V], new_cache).
-  attend: see `decode_step_info`."""
-  step, cache = decode_step_info(config, cache, attend)
+  attend, rope: see `decode_step_info`."""
+  step, cache = decode_step_info(config, cache, attend, rope)
   x_BTD, cache = run_layers(params, embed(params, token_B[:, None], config),
                             step, cache, config)
   return unembed(params, x_BTD, config)[:, 0], cache
