@@ -123,10 +123,14 @@ class LayoutTest(parameterized.TestCase):
     # Ragged: each sequence attends a different prefix; one row is empty.
     lengths = jnp.array([150, 70, 0])
     mask_BTS = (jnp.arange(P)[None, None] < lengths[:, None, None])
-    k_BKSH, v_BKSH = attention.read_kv(cache, 1, jnp.float32, P)
-    want, want_p = attention.attend(q_BTKGH, k_BKSH, v_BKSH, mask_BTS, 0.3)
-    got, got_p = blocked.attend(q_BTKGH, blocked.from_cache(cache, P), 1,
-                                mask_BTS, 0.3)
+
+    @jax.jit
+    def both(cache, q_BTKGH, mask_BTS):
+      k_BKSH, v_BKSH = attention.read_kv(cache, 1, jnp.float32, P)
+      return (attention.attend(q_BTKGH, k_BKSH, v_BKSH, mask_BTS, 0.3),
+              blocked.attend(q_BTKGH, blocked.from_cache(cache, P), 1,
+                             mask_BTS, 0.3))
+    (want, want_p), (got, got_p) = both(cache, q_BTKGH, mask_BTS)
     chex.assert_tree_all_finite((got, got_p))
     chex.assert_trees_all_close(got, want, atol=1e-5, rtol=1e-5)
     chex.assert_trees_all_close(got_p, want_p, atol=1e-6, rtol=1e-5)
@@ -172,17 +176,18 @@ class GenerateTest(parameterized.TestCase):
     np.testing.assert_array_equal(a[2].positions, b[2].positions)
     np.testing.assert_array_equal(a[2].length, b[2].length)
 
-  @parameterized.product(kind=GQA_KINDS, layout=("packed", "unrolled"))
+  @parameterized.parameters(("mha", "packed"), ("mqa", "packed"),
+                            ("gqa", "packed"), ("gqa", "unrolled"))
   def test_same_tokens_logits_and_cache(self, kind, layout):
     config = tiny(kind)
     params = packed.layout(tiny_params(kind), config, layout)
     tokens = jax.random.randint(jax.random.key(1), (3, 20), 0,
                                 config.vocab_size)
-    # Prompt bucket 32 + 149 steps: segments (96 steps, 128 slots), then
-    # (53, all 256): both blocked.
-    self.assertEqual(inference.attention_schedule(32, 149, 256),
-                     ((96, 128), (53, 0)))
-    self._check_same(*self._both(config, params, tokens, 150))
+    # Prompt bucket 32 + 109 steps: segments (96 steps, 128 slots), then
+    # (13, all 256): both blocked.
+    self.assertEqual(inference.attention_schedule(32, 109, 256),
+                     ((96, 128), (13, 0)))
+    self._check_same(*self._both(config, params, tokens, 110))
 
   @parameterized.parameters("bfloat16", "float16")
   def test_same_with_a_half_precision_cache(self, dtype):
@@ -204,15 +209,15 @@ class GenerateTest(parameterized.TestCase):
                                  attention_mask=mask))
 
   def test_a_segment_off_the_block_grid_reads_the_stacked_cache(self):
-    # Capacity 200: the last segment attends all 200 slots, not a multiple
+    # Capacity 136: the last segment attends all 136 slots, not a multiple
     # of 64, so only the first (128 slots) runs blocked. Same results.
     config = tiny("gqa")
     params = packed.pack(tiny_params("gqa"), config)
     tokens = jax.random.randint(jax.random.key(4), (2, 30), 0,
                                 config.vocab_size)
-    self.assertEqual(inference.attention_schedule(32, 159, 200),
-                     ((96, 128), (63, 0)))
-    self._check_same(*self._both(config, params, tokens, 160, capacity=200))
+    self.assertEqual(inference.attention_schedule(32, 103, 136),
+                     ((96, 128), (7, 0)))
+    self._check_same(*self._both(config, params, tokens, 104, capacity=136))
 
   def test_auto_blocks_batched_gqa_decode_only(self):
     def chosen(kind, batch, layout="packed", **kw):
@@ -277,12 +282,15 @@ class DecodeRopeTest(parameterized.TestCase):
     cache = kvjax.init_cache(config, 2, 32)
     tokens = jax.random.randint(jax.random.key(5), (2, 6), 0,
                                 config.vocab_size)
-    _, cache = model.prefill_logits(params, config, tokens,
-                                    jnp.ones((2, 6), bool), cache, False)
+    _, cache = jax.jit(model.prefill_logits,
+                       static_argnames=("config", "all_logits"))(
+                           params, config, tokens, jnp.ones((2, 6), bool),
+                           cache, all_logits=False)
     tok = jnp.array([3, 4], jnp.int32)
-    want = model.decode_logits(params, config, tok, cache)
-    got = model.decode_logits(params, config, tok, cache,
-                              rope=model.decode_rope(config, cache))
+    step = jax.jit(model.decode_logits, static_argnames=("config",))
+    want = step(params, config, tok, cache)
+    got = step(params, config, tok, cache,
+               rope=model.decode_rope(config, cache))
     chex.assert_trees_all_equal(got, want)
 
 
