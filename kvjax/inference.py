@@ -466,12 +466,17 @@ def _generate(params, config, tokens, mask, cache, rng, steps, sampler,
 
 
 DECODE_LAYOUTS = ("auto", "stacked", "blocked")
+# 'auto' blocks from this batch on: whole-generate speedups 1.001 at batch 2,
+# 1.010 at 4, 1.053 at 8, 1.104 at 16 (gqa-medium; WORKSPACE.md). Below it
+# the segment copies would only add compile time.
+BLOCKED_MIN_BATCH = 4
 
 
 def _use_blocked(decode_layout: str, params, config: ModelConfig,
                  policy: cache_lib.CachePolicy, batch: int, schedule) -> bool:
   """Whether generate's decode segments run over `kvjax.blocked.BlockedKV`
-  ('auto': where supported, batch > 1, on CPU; see `generate`).
+  ('auto': where supported, batch >= BLOCKED_MIN_BATCH, on CPU; see
+  `generate`).
 
   Raises:
     ValueError: an unknown layout, or 'blocked' where it cannot run.
@@ -501,7 +506,8 @@ def _use_blocked(decode_layout: str, params, config: ModelConfig,
     return True
   # Measured on CPU only (WORKSPACE.md); elsewhere 'auto' keeps the stacked
   # cache until a device run says otherwise.
-  return why is None and batch > 1 and _platform(params) == "cpu"
+  return (why is None and batch >= BLOCKED_MIN_BATCH and
+          _platform(params) == "cpu")
 
 
 def _platform(params) -> str:
@@ -597,10 +603,12 @@ def generate(params, config: ModelConfig, tokens, max_new_tokens: int, *,
       and logits, faster batched decode on CPU (WORKSPACE.md). It needs the
       segments, attention 'gqa', a float kv_dtype and unrolled layer params
       (layouts 'unrolled' / 'packed'); a segment whose prefix is not a
-      multiple of 64 slots reads the stacked cache. 'auto' (default):
-      'blocked' where it can run, the batch is > 1 (at batch 1 XLA:CPU
-      copies a per-layer array on each one-token write) and the params are
-      on CPU (where it was measured), else 'stacked'.
+      multiple of 64 slots reads the stacked cache. While a segment runs
+      its blocked copy is held beside the cache (up to one cache of
+      temporaries). 'auto' (default): 'blocked' where it can run, the batch
+      is >= `BLOCKED_MIN_BATCH` (4; at batch 1 XLA:CPU copies a per-layer
+      array on each one-token write, at 2 it gains nothing) and the params
+      are on CPU (where it was measured), else 'stacked'.
   Returns:
     new ids [B, max_new_tokens]; with return_logits / return_cache a tuple
     (ids, logits [B, max_new_tokens, V] or None, cache or None).

@@ -7,7 +7,7 @@ slots (round trip bit for bit); its one-token write lands where the stacked
 write does; its attention equals `attention.attend`; a `generate` over it
 gives the stacked generate's tokens, logits and final cache for MHA / MQA /
 GQA, both unrolled layouts, float32 / bfloat16 / float16 caches and ragged
-prompts. 'auto' picks it for batched GQA decode only; where it cannot run,
+prompts. 'auto' picks it for GQA decode of 4+ sequences only; where it cannot run,
 'blocked' raises naming the reason before any compute.
 """
 
@@ -228,14 +228,16 @@ class GenerateTest(parameterized.TestCase):
           params, config, tokens, 20, None, kvjax.GREEDY, None, None,
           kw.get("policy"), kw.get("stop_tokens", ()), 0, False, True, None,
           True, "auto")[-1]
-    self.assertTrue(chosen("gqa", 2))
-    self.assertTrue(chosen("mha", 4, "unrolled"))
+    big = inference.BLOCKED_MIN_BATCH
+    self.assertTrue(chosen("gqa", big))
+    self.assertTrue(chosen("mha", big + 1, "unrolled"))
+    self.assertFalse(chosen("gqa", big - 1))
     self.assertFalse(chosen("gqa", 1))
-    self.assertFalse(chosen("gqa", 2, "scan"))
-    self.assertFalse(chosen("mla", 2))
-    self.assertFalse(chosen("gqa", 2, stop_tokens=(3,)))
+    self.assertFalse(chosen("gqa", big, "scan"))
+    self.assertFalse(chosen("mla", big))
+    self.assertFalse(chosen("gqa", big, stop_tokens=(3,)))
     self.assertFalse(chosen(
-        "gqa", 2, policy=cache_lib.CachePolicy(kv_dtype="int8")))
+        "gqa", big, policy=cache_lib.CachePolicy(kv_dtype="int8")))
 
   @parameterized.named_parameters(
       ("unknown", dict(decode_layout="tiled"), "decode_layout='tiled'"),
