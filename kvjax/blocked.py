@@ -1,5 +1,5 @@
 """The decode loop's blocked cache: per-layer arrays, keys transposed in
-blocks of slots (GQA / MHA / MQA, batch > 1).
+blocks of slots (GQA / MHA / MQA; `generate`'s batched decode).
 
   BlockedKV  k  L × [B, K, W, H, X]   keys: W = P / X blocks of X slots,
                                       each block stored head-dim-major
@@ -19,7 +19,8 @@ product a batched `[G, H] @ [H, X]` over contiguous 16 KB blocks, which
 YNNPACK streams ~2.4× faster from memory. Together with RoPE tables carried
 in the decode loop (`model.decode_rope`): 7–9 % faster batch-8 decode steps
 for gqa-medium. At batch 1 XLA turns each one-token scatter into a copy of
-the layer's array (−9 %), so `generate` keeps the stacked cache there.
+the layer's array (−9 %) and at batch 2 nothing is gained, so 'auto'
+blocks from `inference.BLOCKED_MIN_BATCH` sequences on.
 
 Every function returns a new cache; none mutates.
 """
