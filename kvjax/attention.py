@@ -102,13 +102,8 @@ def attend(q_BTKGH, k_BKSH, v_BKSH, mask_BTS, scale: float,
     logits_BKSG = jax.lax.optimization_barrier(
         jnp.einsum("BKSH,BKGH->BKSG", k_BKSH, q_BTKGH[:, 0],
                    preferred_element_type=jnp.float32))
-    logits_BKGS = jnp.swapaxes(logits_BKSG, -1, -2) * scale
-    logits_BKGS = jnp.where(mask_BTS[:, None], logits_BKGS, big_neg)
-    probs_BKGS = jax.nn.softmax(logits_BKGS, axis=-1)
-    out_BKGH = jnp.einsum("BKGS,BKSH->BKGH", probs_BKGS.astype(v_BKSH.dtype),
-                          v_BKSH, preferred_element_type=jnp.float32)
-    return (out_BKGH[:, None].astype(q_BTKGH.dtype),
-            probs_BKGS[:, :, :, None])
+    return decode_softmax_values(jnp.swapaxes(logits_BKSG, -1, -2), v_BKSH,
+                                 mask_BTS, scale, q_BTKGH.dtype)
   logits_BKGTS = jnp.einsum("BTKGH,BKSH->BKGTS", q_BTKGH, k_BKSH,
                             preferred_element_type=jnp.float32) * scale
   logits_BKGTS = jnp.where(mask_BTS[:, None, None], logits_BKGTS, big_neg)
@@ -116,6 +111,24 @@ def attend(q_BTKGH, k_BKSH, v_BKSH, mask_BTS, scale: float,
   out_BTKGH = jnp.einsum("BKGTS,BKSH->BTKGH", probs_BKGTS.astype(v_BKSH.dtype),
                          v_BKSH, preferred_element_type=jnp.float32)
   return out_BTKGH.astype(q_BTKGH.dtype), probs_BKGTS
+
+
+def decode_softmax_values(logits_BKGS, v_BKSH, mask_BTS, scale: float,
+                          dtype):
+  """The rest of decode attention (T = 1) once the key logits are known:
+  scale, mask, softmax, value product. Shared by the stacked cache
+  (`attend`) and the blocked one (`blocked.key_logits`).
+
+  Returns:
+    out_BTKGH in `dtype`, probs_BKGTS (float32); fully masked rows give a
+    finite average, never NaN.
+  """
+  logits_BKGS = jnp.where(mask_BTS[:, None], logits_BKGS * scale,
+                          jnp.finfo(jnp.float32).min)
+  probs_BKGS = jax.nn.softmax(logits_BKGS, axis=-1)
+  out_BKGH = jnp.einsum("BKGS,BKSH->BKGH", probs_BKGS.astype(v_BKSH.dtype),
+                        v_BKSH, preferred_element_type=jnp.float32)
+  return out_BKGH[:, None].astype(dtype), probs_BKGS[:, :, :, None]
 
 
 def write_kv(cache: cache_lib.KVCache, layer, slots_BT, k_BTKH, v_BTKH, *,
@@ -213,8 +226,10 @@ def gqa_attention(p, x_BTD, step: Step, cache, layer, config: ModelConfig):
   q_BTKGH = q_BTNH.reshape(B, T, K, G, H)
   if isinstance(cache, blocked_lib.BlockedKV):  # generate's batched decode
     cache = blocked_lib.write(cache, layer, step.slots, k_store_BTKH, v_BTKH)
-    out_BTKGH, _ = blocked_lib.attend(q_BTKGH, cache, layer, step.mask,
-                                      config.softmax_scale)
+    k_BKWHX, v_BKSH = blocked_lib.read(cache, layer, dtype)
+    out_BTKGH, _ = decode_softmax_values(
+        blocked_lib.key_logits(q_BTKGH, k_BKWHX), v_BKSH, step.mask,
+        config.softmax_scale, dtype)
     return project_out(p, out_BTKGH.reshape(B, T, N, H)), cache
   if step.mode == "decode":
     cache = write_kv(cache, layer, step.slots, k_store_BTKH, v_BTKH)

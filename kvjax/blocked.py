@@ -58,10 +58,6 @@ class BlockedKV:
     return self.v[0].shape[2]
 
   @property
-  def batch(self) -> int:
-    return self.v[0].shape[0]
-
-  @property
   def block(self) -> int:
     return self.k[0].shape[-1]
 
@@ -140,28 +136,21 @@ def write(blocked: BlockedKV, layer: int, slots_BT, k_BTKH, v_BTKH
   return blocked.replace(k=tuple(k), v=tuple(v))
 
 
-def attend(q_BTKGH, blocked: BlockedKV, layer: int, mask_BTS, scale: float):
-  """Decode attention of one query per sequence over a layer's blocked
-  keys and values; the same softmax as `attention.attend` (fully masked
-  rows give a finite average, never NaN).
+def read(blocked: BlockedKV, layer: int, dtype):
+  """One layer's keys [B, K, W, H, X] and values [B, K, P, H] in `dtype`."""
+  return (quant.dequantize(blocked.k[layer], None, dtype),
+          quant.dequantize(blocked.v[layer], None, dtype))
 
-  Returns:
-    out_BTKGH (T = 1), probs_BKGTS (float32).
-  """
-  B, T, K, G, H = q_BTKGH.shape
-  dtype = q_BTKGH.dtype
-  k_BKWHX = quant.dequantize(blocked.k[layer], None, dtype)
-  v_BKSH = quant.dequantize(blocked.v[layer], None, dtype)
+
+def key_logits(q_BTKGH, k_BKWHX):
+  """Decode key logits [B, K, G, P] (float32, unscaled) of one query per
+  sequence against blocked keys; `attention.decode_softmax_values` does the
+  rest, as for the stacked cache."""
+  B, _, K, G, H = q_BTKGH.shape
   W, X = k_BKWHX.shape[2], k_BKWHX.shape[4]
   # One [G, H] @ [H, X] product per (B, K, W) block: the query is repeated
   # per block (W·G·H numbers, small) so the product has batch dims only.
   q_BKWGH = jnp.broadcast_to(q_BTKGH[:, 0, :, None], (B, K, W, G, H))
   logits_BKWGX = jnp.einsum("BKWGH,BKWHX->BKWGX", q_BKWGH, k_BKWHX,
                             preferred_element_type=jnp.float32)
-  logits_BKGS = jnp.swapaxes(logits_BKWGX, 2, 3).reshape(B, K, G, W * X)
-  logits_BKGS = jnp.where(mask_BTS[:, None], logits_BKGS * scale,
-                          jnp.finfo(jnp.float32).min)
-  probs_BKGS = jax.nn.softmax(logits_BKGS, axis=-1)
-  out_BKGH = jnp.einsum("BKGS,BKSH->BKGH", probs_BKGS.astype(v_BKSH.dtype),
-                        v_BKSH, preferred_element_type=jnp.float32)
-  return out_BKGH[:, None].astype(dtype), probs_BKGS[:, :, :, None]
+  return jnp.swapaxes(logits_BKWGX, 2, 3).reshape(B, K, G, W * X)

@@ -4,14 +4,13 @@ decode loop (`model.decode_rope`).
 Invariants: the blocked layout changes where the decode step reads, never
 what it computes. A BlockedKV holds exactly the stacked cache's first P
 slots (round trip bit for bit); its one-token write lands where the stacked
-write does; its attention equals `attention.attend`; a `generate` over it
-gives the stacked generate's tokens, logits and final cache for MHA / MQA /
-GQA, both unrolled layouts, float32 / bfloat16 / float16 caches and ragged
-prompts. 'auto' picks it for GQA decode of 4+ sequences only; where it cannot run,
+write does; its key logits, through the shared softmax, give
+`attention.attend`'s output; a `generate` over it gives the stacked
+generate's tokens, logits and final cache for MHA / MQA / GQA, both
+unrolled layouts, float32 / bfloat16 / float16 caches and ragged prompts.
+'auto' picks it for GQA decode of 4+ sequences only; where it cannot run,
 'blocked' raises naming the reason before any compute.
 """
-
-import dataclasses
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -127,9 +126,12 @@ class LayoutTest(parameterized.TestCase):
     @jax.jit
     def both(cache, q_BTKGH, mask_BTS):
       k_BKSH, v_BKSH = attention.read_kv(cache, 1, jnp.float32, P)
+      k_BKWHX, v_blocked = blocked.read(blocked.from_cache(cache, P), 1,
+                                        jnp.float32)
       return (attention.attend(q_BTKGH, k_BKSH, v_BKSH, mask_BTS, 0.3),
-              blocked.attend(q_BTKGH, blocked.from_cache(cache, P), 1,
-                             mask_BTS, 0.3))
+              attention.decode_softmax_values(
+                  blocked.key_logits(q_BTKGH, k_BKWHX), v_blocked, mask_BTS,
+                  0.3, jnp.float32))
     (want, want_p), (got, got_p) = both(cache, q_BTKGH, mask_BTS)
     chex.assert_tree_all_finite((got, got_p))
     chex.assert_trees_all_close(got, want, atol=1e-5, rtol=1e-5)
