@@ -18,6 +18,7 @@ import kvjax
 from kvjax import benchmarking as bm
 from kvjax import inference
 from kvjax import model
+from kvjax.tolerance import assert_close
 import model as model_presets  # configs/model.py (see conftest.py)
 
 VARIANTS = model_presets.VARIANTS
@@ -244,8 +245,8 @@ class LayerLayoutTest(chex.TestCase):
     ids_u, logits_u, cache_u = kvjax.generate(
         unstacked, config, tokens, 5, return_logits=True, return_cache=True)
     np.testing.assert_array_equal(ids_u, ids)
-    chex.assert_trees_all_close(logits_u, logits, atol=1e-6, rtol=0)
-    chex.assert_trees_all_close(cache_u, cache, atol=1e-6, rtol=0)
+    assert_close(logits_u, logits, config)
+    assert_close(cache_u, cache, config)
 
   def test_bad_unstacked_params_raise(self):
     config = tiny("gqa")

@@ -17,6 +17,7 @@ import kvjax
 from kvjax import configs as cfg_lib
 from kvjax import inference
 from kvjax import model
+from kvjax.tolerance import assert_close
 import model as model_presets  # configs/model.py (see conftest.py)
 
 VARIANTS = model_presets.VARIANTS
@@ -121,7 +122,7 @@ class CachedEqualsUncachedTest(chex.TestCase):
                                                      12, return_logits=True)
     chex.assert_shape(ids, (2, 12))
     np.testing.assert_array_equal(ids, ref_ids)
-    chex.assert_trees_all_close(logits, ref_logits, atol=1e-5, rtol=0)
+    assert_close(logits, ref_logits, config)
     chex.assert_tree_all_finite(logits)
 
   @parameterized.parameters(*VARIANTS)
@@ -133,7 +134,7 @@ class CachedEqualsUncachedTest(chex.TestCase):
     ids, logits, _ = kvjax.generate(params, config, tokens, 6,
                                     return_logits=True)
     full = kvjax.forward(params, config, jnp.concatenate([tokens, ids], 1))
-    chex.assert_trees_all_close(logits, full[:, 4:10], atol=1e-5, rtol=0)
+    assert_close(logits, full[:, 4:10], config)
 
   @parameterized.parameters(*VARIANTS)
   def test_prefill_equals_forward(self, variant):
@@ -142,8 +143,7 @@ class CachedEqualsUncachedTest(chex.TestCase):
     cache = kvjax.init_cache(config, 3, 16)
     logits, cache = kvjax.prefill(params, config, tokens, cache,
                                   all_logits=True)
-    chex.assert_trees_all_close(logits, kvjax.forward(params, config, tokens),
-                                atol=1e-5, rtol=0)
+    assert_close(logits, kvjax.forward(params, config, tokens), config)
     np.testing.assert_array_equal(cache.length, [11, 11, 11])
     np.testing.assert_array_equal(cache.positions[:, :11],
                                   np.tile(np.arange(11), (3, 1)))
@@ -158,9 +158,9 @@ class CachedEqualsUncachedTest(chex.TestCase):
     stepped, cache = kvjax.decode_step(params, config, tokens[:, 7], cache)
     longer, longer_cache = kvjax.prefill(params, config, tokens,
                                          kvjax.init_cache(config, 2, 16))
-    chex.assert_trees_all_close(stepped, longer, atol=1e-5, rtol=0)
+    assert_close(stepped, longer, config)
     # The caches agree too: decode wrote exactly what prefill writes.
-    chex.assert_trees_all_close(cache, longer_cache, atol=1e-5, rtol=0)
+    assert_close(cache, longer_cache, config)
     del last
 
   @chex.variants(with_jit=True, without_jit=True)
@@ -181,8 +181,8 @@ class CachedEqualsUncachedTest(chex.TestCase):
     ref = kvjax.forward(params, config, jnp.concatenate(
         [tokens, tokens[:, :1]], axis=1))
     logits, step, cache = run(params, tokens, mask)
-    chex.assert_trees_all_close(logits[:, 0], ref[:, 5], atol=1e-5, rtol=0)
-    chex.assert_trees_all_close(step, ref[:, 6], atol=1e-5, rtol=0)
+    assert_close(logits[:, 0], ref[:, 5], config)
+    assert_close(step, ref[:, 6], config)
     chex.assert_tree_all_finite(cache)
 
 
@@ -225,7 +225,7 @@ class AttendBucketsTest(chex.TestCase, parameterized.TestCase):
                            return_logits=True, attend_buckets=b)
             for b in (True, False)]
     np.testing.assert_array_equal(outs[0][0], outs[1][0])
-    np.testing.assert_allclose(outs[0][1], outs[1][1], atol=1e-5, rtol=0)
+    assert_close(outs[0][1], outs[1][1], config)
 
   @parameterized.product(variant=VARIANTS, kind=("float32", "int8-kivi"))
   def test_buckets_change_nothing(self, variant, kind):
@@ -243,7 +243,8 @@ class AttendBucketsTest(chex.TestCase, parameterized.TestCase):
                            return_logits=True, attend_buckets=b)
             for b in (True, False)]
     np.testing.assert_array_equal(outs[0][0], outs[1][0])
-    np.testing.assert_allclose(outs[0][1], outs[1][1], atol=1e-5, rtol=0)
+    assert_close(outs[0][1], outs[1][1], config,
+                 cache=bm.cache_policy(kind).kv_dtype)
 
   def test_attend_needs_a_prefix_cache(self):
     cache = kvjax.init_cache(tiny("gqa"), 1, 32,

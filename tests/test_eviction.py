@@ -35,6 +35,7 @@ from kvjax import model as kvmodel
 from kvjax import streaming
 from kvjax.attention import Step
 from kvjax.layers import rope_tables
+from kvjax.tolerance import assert_close
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "configs"))
 import model as presets  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -43,7 +44,6 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 
 S, SINKS, RECENT, T = 16, 2, 4, 8  # capacity, sinks, h2o recent, chunk
 B, N = 2, 48  # batch, stream length of the policy matrix (3 capacities)
-ATOL, RTOL = 5e-5, 1e-5
 
 
 def _config(variant, **overrides):
@@ -241,8 +241,7 @@ class PolicyMatrixTest(parameterized.TestCase):
     dense = np.asarray(_masked_forward(params, config, tokens[:, :N],
                                        _causal(N)[2]))
     # While the stream fits, every policy is the unbounded cache.
-    chex.assert_trees_all_close(logits[:, :S], dense[:, :S], atol=ATOL,
-                                rtol=RTOL)
+    assert_close(logits[:, :S], dense[:, :S], config)
     # After that, eviction changes the logits (so the checks can fail).
     self.assertGreater(np.abs(logits[:, S:] - dense[:, S:]).max(), 1e-2)
 
@@ -260,8 +259,7 @@ class PolicyMatrixTest(parameterized.TestCase):
       # is relative, so cache positions (ranks shifted every step) and
       # original positions agree.
       ref = _masked_forward(params, config, tokens[:, :N], _window_mask(N, S))
-      chex.assert_trees_all_close(logits, np.asarray(ref), atol=ATOL,
-                                  rtol=RTOL)
+      assert_close(logits, np.asarray(ref), config)
       np.testing.assert_array_equal(held, [np.arange(N - S, N)] * B)
     if policy.eviction == "sinks":
       np.testing.assert_array_equal(
@@ -277,8 +275,7 @@ class PolicyMatrixTest(parameterized.TestCase):
       if policy.positions == "original":
         ref = _masked_forward(params, config, tokens[:, :N],
                               _sinks_mask(N, S, SINKS))
-        chex.assert_trees_all_close(logits, np.asarray(ref), atol=ATOL,
-                                    rtol=RTOL)
+        assert_close(logits, np.asarray(ref), config)
 
 
 class FastPathTest(parameterized.TestCase):
@@ -299,7 +296,7 @@ class FastPathTest(parameterized.TestCase):
     nll, _ = streaming.extend_nll(params, config, tokens, cache, chunk=T)
     ref = _masked_forward(params, config, tokens[:, :N], mask)
     want = streaming.token_nll(ref, tokens[:, 1:])
-    chex.assert_trees_all_close(nll, np.asarray(want), atol=ATOL, rtol=RTOL)
+    assert_close(nll, np.asarray(want), config)
 
 
 class CachePositionsTest(parameterized.TestCase):
@@ -330,22 +327,19 @@ class CachePositionsTest(parameterized.TestCase):
       recompute = streaming.recompute_nll(params, config, tokens, S,
                                           block=16, micro_batch=4)
       want = streaming.token_nll(logits, tokens[0, 1:])
-      chex.assert_trees_all_close(recompute[0], np.asarray(want), atol=ATOL,
-                                  rtol=RTOL)
+      assert_close(recompute[0], np.asarray(want), config)
       # A strided recompute scores the same values at every 3rd position.
       strided = streaming.recompute_nll(params, config, tokens, S, stride=3,
                                         block=16, micro_batch=4)[0]
       scored = np.arange(n) % 3 == 2
-      np.testing.assert_allclose(strided[scored], recompute[0][scored],
-                                 atol=ATOL, rtol=RTOL)
+      assert_close(strided[scored], recompute[0][scored], config)
       self.assertTrue(np.isnan(strided[~scored]).all())
     else:
       ts = np.arange(S, n)
       ctx = np.stack([np.r_[tokens[0, :SINKS],
                             tokens[0, t - (S - SINKS) + 1:t + 1]] for t in ts])
       ref = kvjax.forward(params, config, ctx)[:, -1]
-      chex.assert_trees_all_close(logits[S:], np.asarray(ref), atol=ATOL,
-                                  rtol=RTOL)
+      assert_close(logits[S:], np.asarray(ref), config)
       # Original positions put the sinks far away: a different model.
       orig = _masked_forward(params, config, tokens[:, :n],
                              _sinks_mask(n, S, SINKS))
@@ -472,9 +466,8 @@ class RaggedBatchTest(absltest.TestCase):
       first_b, alone = kvjax.prefill(params, config, r[None], alone)
       logits_b, alone = streaming.decode_tokens(params, config,
                                                 more[b:b + 1], alone)
-      chex.assert_trees_all_close(first[b], first_b[0], atol=ATOL, rtol=RTOL)
-      chex.assert_trees_all_close(logits[b], logits_b[0], atol=ATOL,
-                                  rtol=RTOL)
+      assert_close(first[b], first_b[0], config)
+      assert_close(logits[b], logits_b[0], config)
       np.testing.assert_array_equal(np.sort(cache.positions[b]),
                                     np.sort(alone.positions[0]))
 
@@ -550,7 +543,7 @@ class AttentionProfileTest(parameterized.TestCase):
     a = streaming.attention_matrix(_params(config), config,
                                    _tokens(config, (2, S)))
     chex.assert_shape(a, (S, S))
-    np.testing.assert_allclose(a.sum(axis=1), np.ones(S), rtol=1e-5)
+    assert_close(a.sum(axis=1), np.ones(S), depth=1)
     np.testing.assert_array_equal(np.triu(a, 1), 0)
     self.assertEqual(a[0, 0], 1.0)
     prof = streaming.attention_profile(_params(config), config,

@@ -17,6 +17,10 @@ import tempfile
 from absl.testing import absltest
 import numpy as np
 
+import kvjax
+from kvjax.tolerance import assert_close, tolerance
+import model as model_presets  # configs/model.py (see conftest.py)
+
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "experiments", "*.py")))
 
@@ -63,7 +67,10 @@ class PeerBenchmarkTest(absltest.TestCase):
       with open(os.path.join(tmp, "peer.json")) as f:
         out = json.load(f)
       self.assertTrue(os.path.getsize(os.path.join(tmp, "peer.png")) > 0)
-    self.assertLess(out["max_logit_diff"], 1e-4)
+    tiny = kvjax.ModelConfig.from_dict(model_presets.model_dict("gqa",
+                                                                "tiny"))
+    self.assertLessEqual(out["max_logit_diff"],
+                         tolerance(tiny).atol(out["logit_scale"]))
     self.assertEqual(out["greedy_agree"], {"packed": 4})
     self.assertEqual(sorted(out["batches"]), ["1", "2"])
     for row in out["batches"].values():
@@ -72,7 +79,9 @@ class PeerBenchmarkTest(absltest.TestCase):
       self.assertLen(rounds, 3)
       kv, hf = (row["kvjax_packed_decode_tokens_per_s_rounds"],
                 row["hf_decode_tokens_per_s_rounds"])
-      np.testing.assert_allclose(rounds, np.divide(kv, hf), rtol=1e-12)
+      # Ratios of the float64 rates that were stored: exact but for the
+      # division's rounding.
+      assert_close(rounds, np.divide(kv, hf), compute="float64", depth=1)
       sp = row["decode_ratio_packed_spread"]
       self.assertEqual(sp["min"], min(rounds))
       self.assertEqual(sp["max"], max(rounds))

@@ -23,6 +23,7 @@ from kvjax import kivi
 from kvjax import model
 from kvjax import quant
 from kvjax import sharding
+from kvjax.tolerance import assert_close, tolerance
 from tiny_models import tiny, tiny_params
 
 GROUP, S, B = 4, 32, 2
@@ -72,6 +73,28 @@ def _slots_first(x):
   return jnp.moveaxis(x, -2, 1)
 
 
+def _assert_same_quantization(stored, want, ref, scale_groups):
+  """int8 values equal, except where the float value lies within rounding
+  distance of a quantization boundary: the two programs compute it with
+  different fusions, so it may round either way (`kvjax.tolerance`).
+
+  stored, want: int8 [n, ...]; ref: the float values [n, ...];
+  scale_groups: their per-channel scales [n / GROUP, ...].
+  """
+  stored, want = np.asarray(stored, np.int32), np.asarray(want, np.int32)
+  differ = stored != want
+  if not differ.any():
+    return
+  steps = np.asarray(ref) / np.repeat(np.asarray(scale_groups), GROUP,
+                                      axis=0)[:len(stored)]
+  # x / scale carries the relative error of x and of the scale (two
+  # roundings), in units of the 127-level step.
+  slack = 127 * 2 * tolerance(depth=1).rtol
+  near = np.abs(np.abs(steps - np.trunc(steps)) - 0.5) <= slack
+  np.testing.assert_array_less(np.abs(stored - want), 2)
+  np.testing.assert_array_equal(differ & ~near, False)
+
+
 def assert_invariant(test, cache, ref_cache, lengths):
   """Layer 0 of a KIVI cache against the float32 rows of the same tokens
   (slots [0, n) filled for a sequence of n tokens)."""
@@ -90,15 +113,15 @@ def assert_invariant(test, cache, ref_cache, lengths):
       done = slice(0, newest * GROUP)
       # Complete groups: the int8 values and scales of a one-shot
       # quantization.
-      np.testing.assert_array_equal(stored[b, done], q[b, done])
-      np.testing.assert_allclose(stored_scale[b, :newest], sc[b, :newest],
-                                 rtol=1e-6)
+      _assert_same_quantization(stored[b, done], q[b, done], ref_s[b, done],
+                                sc[b, :newest])
+      assert_close(stored_scale[b, :newest], sc[b, :newest], depth=1)
       # The newest group is read exactly from the residual ...
       new = slice(newest * GROUP, (newest + 1) * GROUP)
-      np.testing.assert_allclose(got[b, new], ref_s[b, new], rtol=1e-6,
-                                 atol=1e-7)
+      assert_close(got[b, new], ref_s[b, new], depth=1)
       # ... and its int8 copy is already the group's quantization so far.
-      np.testing.assert_array_equal(stored[b, new], q[b, new])
+      _assert_same_quantization(stored[b, new], q[b, new], ref_s[b, new],
+                                sc[b, newest:newest + 1])
       # Empty slots hold zeros.
       test.assertEqual(float(jnp.abs(stored[b, n:]).max(initial=0)), 0)
 
@@ -113,14 +136,16 @@ class QuantizeGroupsTest(parameterized.TestCase):
     chex.assert_shape(s, (2, 3, 2, 5))
     self.assertEqual(q.dtype, jnp.int8)
     want = jnp.max(jnp.abs(x.reshape(2, 3, 2, 4, 5)), axis=3) / 127.0
-    np.testing.assert_allclose(s, want, rtol=1e-6)
+    assert_close(s, want, depth=1)
     back = quant.dequantize_groups(q, s, 4, -2, jnp.float32)
     err = jnp.abs(back - x).reshape(2, 3, 2, 4, 5)
-    self.assertTrue(bool(jnp.all(err <= s[:, :, :, None] / 2 + 1e-6)))
+    # Half a step, plus the rounding of the dequantizing product.
+    self.assertTrue(bool(jnp.all(
+        err <= s[:, :, :, None] * (0.5 + tolerance(depth=1).rtol))))
     # Re-quantizing the dequantized values gives back the same int8.
     q2, s2 = quant.quantize_groups(back, 4, -2)
     np.testing.assert_array_equal(q2, q)
-    np.testing.assert_allclose(s2, s, rtol=1e-6)
+    assert_close(s2, s, depth=1)
 
   def test_zero_group_is_zero_not_nan(self):
     q, s = quant.quantize_groups(jnp.zeros((4, 3)), 2, -2)
@@ -147,7 +172,7 @@ class KiviCacheTest(chex.TestCase, parameterized.TestCase):
     assert_invariant(self, cache, ref, [n] * B)
     chex.assert_tree_all_finite(got_logits)
     # Keys within int8 per-channel rounding: logits stay close to float32.
-    self.assertLess(float(jnp.abs(got_logits - ref_logits).max()), 0.15)
+    assert_close(got_logits, ref_logits, config, cache="int8")
 
   @parameterized.product(chunk=(1, 3, 5), variant=("gqa", "mla"))
   def test_chunked_prefill_keeps_the_invariant(self, chunk, variant):

@@ -27,6 +27,7 @@ from kvjax import cache as cache_lib
 from kvjax import mla
 from kvjax import model
 from kvjax import published
+from kvjax.tolerance import assert_close
 import model as model_presets  # configs/model.py (see conftest.py)
 
 BASE = dict(vocab_size=64, num_layers=2, embed_dim=48, num_heads=3,
@@ -154,7 +155,7 @@ class MLALayerTest(chex.TestCase):
         lambda p, x: mla.mla_attention(p, x, step, None, 0, c))(p, x)
     self.assertIsNone(none)
     chex.assert_shape(y, (B, 6, c.embed_dim))
-    np.testing.assert_allclose(y, ref_mla(p, x, c), atol=1e-5, rtol=1e-5)
+    assert_close(y, ref_mla(p, x, c), depth=1)
 
   @chex.variants(with_jit=True, without_jit=True)
   def test_absorbed_equals_naive_attention(self):
@@ -178,8 +179,8 @@ class MLALayerTest(chex.TestCase):
     out_a, probs_a = run("absorbed")
     out_n, probs_n = run("naive")
     chex.assert_shape([out_a, out_n], (B, T, N, c.v_head_dim))
-    chex.assert_trees_all_close(out_a, out_n, atol=1e-5, rtol=1e-5)
-    chex.assert_trees_all_close(probs_a, probs_n, atol=1e-6)
+    assert_close(out_a, out_n, depth=1)
+    assert_close(probs_a, probs_n, depth=1)
     self.assertTrue(bool(jnp.all(jnp.where(mask[:, None], True,
                                            probs_a == 0))))
 
@@ -196,20 +197,19 @@ class MLADecodeTest(parameterized.TestCase):
     chex.assert_shape(full, (B, T_TOTAL, c.vocab_size))
     logits, cache = kvjax.prefill(params, c, toks[:, :T_PROMPT],
                                   kvjax.init_cache(c, B, S), all_logits=True)
-    np.testing.assert_allclose(logits, full[:, :T_PROMPT], atol=1e-5)
+    assert_close(logits, full[:, :T_PROMPT], c)
     # Decode with a trace-counted step: fixed shapes compile once.
     step = jax.jit(chex.assert_max_traces(model.decode_logits, n=1),
                    static_argnames="config", donate_argnames="cache")
     for t in range(T_PROMPT, T_TOTAL):
       logits, cache = step(params, c, toks[:, t], cache)
-      np.testing.assert_allclose(logits, full[:, t], atol=1e-5,
-                                 err_msg=f"decode position {t}")
+      assert_close(logits, full[:, t], c, msg=f"decode position {t}")
     chex.clear_trace_counter()
     # prefill(T) + decode == prefill(T + k): logits and the latent cache.
     logits_ref, cache_ref = kvjax.prefill(params, c, toks,
                                           kvjax.init_cache(c, B, S))
-    np.testing.assert_allclose(logits, logits_ref, atol=1e-5)
-    chex.assert_trees_all_close(cache, cache_ref, atol=1e-5)
+    assert_close(logits, logits_ref, c)
+    assert_close(cache, cache_ref, c)
     chex.assert_shape(cache.c_kv, (c.num_layers, B, S, c.kv_lora_rank))
     chex.assert_shape(cache.k_rope, (c.num_layers, B, S,
                                      c.qk_rope_head_dim))
@@ -231,8 +231,8 @@ class MLADecodeTest(parameterized.TestCase):
       for c in caches:
         out[c], caches[c] = kvjax.decode_step(params, c, toks[:, t],
                                               caches[c])
-      np.testing.assert_allclose(out[absorbed], out[naive], atol=1e-5,
-                                 err_msg=f"position {t}")
+      assert_close(out[absorbed], out[naive], absorbed, cache="int8",
+                   msg=f"position {t}")
     a, n = caches[absorbed], caches[naive]
     self.assertEqual(a.c_kv.dtype, jnp.int8)
     np.testing.assert_array_equal(a.positions, n.positions)
@@ -267,9 +267,8 @@ class LatentCacheTest(parameterized.TestCase):
     x = ref_rms_norm(x, np.asarray(params["layers"]["attn_norm"][0]),
                      c.rms_norm_eps)
     c_ref, r_ref = ref_latents(p, x, c)
-    np.testing.assert_allclose(cache.c_kv[0, :, :T_PROMPT], c_ref, atol=1e-5)
-    np.testing.assert_allclose(cache.k_rope[0, :, :T_PROMPT], r_ref,
-                               atol=1e-5)
+    assert_close(cache.c_kv[0, :, :T_PROMPT], c_ref, depth=1)
+    assert_close(cache.k_rope[0, :, :T_PROMPT], r_ref, depth=1)
     np.testing.assert_array_equal(cache.c_kv[:, :, T_PROMPT:], 0)
     np.testing.assert_array_equal(
         cache.positions, np.where(np.arange(S) < T_PROMPT, np.arange(S), -1)[

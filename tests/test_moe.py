@@ -18,6 +18,7 @@ import numpy as np
 
 import kvjax
 from kvjax import moe
+from kvjax.tolerance import assert_close
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -114,8 +115,8 @@ class MoETest(chex.TestCase):
       got = dict(zip(np.asarray(ids[t]).tolist(), np.asarray(weights[t])))
       want = dict(zip(ref_ids[t].tolist(), ref_w[t]))
       self.assertEqual(sorted(got), sorted(want), f"token {t}")
-      np.testing.assert_allclose([got[e] for e in sorted(got)],
-                                 [want[e] for e in sorted(want)], rtol=1e-5)
+      assert_close([got[e] for e in sorted(got)],
+                   [want[e] for e in sorted(want)], depth=1)
 
   @parameterized.named_parameters((_name(m), m) for m in MOES[1:3])
   def test_chosen_experts_lie_in_chosen_groups(self, m):
@@ -137,9 +138,9 @@ class MoETest(chex.TestCase):
     ids, weights = np.asarray(ids), np.asarray(weights)
     self.assertTrue((ids == 4).any(axis=1).all())
     unbiased = jax.nn.sigmoid(x_TD @ p["router"])
-    np.testing.assert_allclose(
-        weights, np.take_along_axis(np.asarray(unbiased), ids, axis=1),
-        rtol=1e-6)
+    assert_close(weights,
+                 np.take_along_axis(np.asarray(unbiased), ids, axis=1),
+                 depth=1)
 
   def test_normalized_weights_sum_to_scaling_factor(self):
     m = MOES[2]
@@ -147,8 +148,9 @@ class MoETest(chex.TestCase):
     p = _layer_params(config)
     x_TD = _inputs((32, config.embed_dim), 6)
     _, weights = moe.route(p, x_TD, config)
-    np.testing.assert_allclose(np.sum(weights, axis=-1),
-                               m.routed_scaling_factor, rtol=1e-6)
+    assert_close(np.sum(weights, axis=-1),
+                 np.full(weights.shape[:-1], m.routed_scaling_factor),
+                 depth=1)
 
   @chex.variants(with_jit=True, without_jit=True)
   @parameterized.named_parameters((_name(m), m) for m in MOES[:3])
@@ -162,7 +164,7 @@ class MoETest(chex.TestCase):
         lambda p, x: moe.moe_mlp(p, x, config, path="gather"))(p, x_BTD)
     chex.assert_shape(dense, x_BTD.shape)
     chex.assert_tree_all_finite(dense)
-    chex.assert_trees_all_close(dense, gather, atol=1e-5, rtol=1e-5)
+    assert_close(dense, gather, depth=1)
     # The automatic choice gathers only when tokens * k < experts.
     self.assertTrue(moe.use_gather(1, config))
     self.assertFalse(moe.use_gather(10, config))
@@ -176,9 +178,8 @@ class MoETest(chex.TestCase):
     x_TD = x_BTD[0]
     shared = (jax.nn.silu(x_TD @ p["shared_gate"]) *
               (x_TD @ p["shared_up"])) @ p["shared_down"]
-    chex.assert_trees_all_close(
-        moe.moe_mlp(p, x_BTD, config)[0],
-        moe.moe_mlp(without, x_BTD, config)[0] + shared, atol=1e-5)
+    assert_close(moe.moe_mlp(p, x_BTD, config)[0],
+                 moe.moe_mlp(without, x_BTD, config)[0] + shared, depth=1)
 
   def test_moe_shapes_need_moe(self):
     with self.assertRaisesRegex(ValueError, "moe"):
@@ -220,10 +221,10 @@ class MoETest(chex.TestCase):
     cache = kvjax.init_cache(config, 2, 16)
     logits, cache = kvjax.prefill(params, config, tokens[:, :6], cache,
                                   all_logits=True)
-    chex.assert_trees_all_close(logits, full[:, :6], atol=1e-5)
+    assert_close(logits, full[:, :6], config)
     for t in range(6, 9):
       step, cache = kvjax.decode_step(params, config, tokens[:, t], cache)
-      chex.assert_trees_all_close(step, full[:, t], atol=1e-5)
+      assert_close(step, full[:, t], config)
 
 
 if __name__ == "__main__":

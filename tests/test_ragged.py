@@ -25,6 +25,7 @@ import numpy as np
 
 import kvjax
 from kvjax import inference
+from kvjax.tolerance import assert_close
 import model as model_presets  # configs/model.py (see conftest.py)
 
 VARIANTS = model_presets.VARIANTS
@@ -80,7 +81,7 @@ class RaggedTest(chex.TestCase, parameterized.TestCase):
       np.testing.assert_array_equal(np.asarray(toks[b]),
                                     np.asarray(a_toks[0]),
                                     err_msg=f"{variant} sequence {b}")
-      chex.assert_trees_all_close(logits[b], a_logits[0], atol=1e-5)
+      assert_close(logits[b], a_logits[0], config)
 
   @parameterized.parameters(*VARIANTS)
   def test_padding_content_is_never_attended(self, variant):
@@ -99,8 +100,8 @@ class RaggedTest(chex.TestCase, parameterized.TestCase):
                                       jnp.ones((len(LENGTHS),), jnp.int32),
                                       cache)
       outs.append((np.asarray(logits)[real], step))
-    chex.assert_trees_all_close(outs[0], outs[1], atol=1e-6)
-    chex.assert_trees_all_close(outs[0], outs[2], atol=1e-6)
+    assert_close(outs[0], outs[1], config)
+    assert_close(outs[0], outs[2], config)
 
   @parameterized.parameters(*VARIANTS)
   def test_cache_holds_each_sequence_own_length(self, variant):
@@ -148,8 +149,7 @@ class RaggedTest(chex.TestCase, parameterized.TestCase):
         params, config, np.concatenate([tokens, extra], axis=1).astype(
             np.int32),
         attention_mask=np.concatenate([mask, np.ones_like(extra)], axis=1))
-    chex.assert_trees_all_close(jnp.stack(steps, axis=1), full[:, T:],
-                                atol=1e-5)
+    assert_close(jnp.stack(steps, axis=1), full[:, T:], config)
     np.testing.assert_array_equal(np.asarray(cache.length),
                                   np.asarray(LENGTHS) + extra.shape[1])
 
@@ -203,8 +203,7 @@ class AttentionImplTest(parameterized.TestCase):
     a = kvjax.forward(params, einsum_cfg, tokens, attention_mask=mask)
     b = kvjax.forward(params, nn_cfg, tokens, attention_mask=mask)
     chex.assert_tree_all_finite(b)  # padding rows too
-    chex.assert_trees_all_close(np.asarray(a)[real], np.asarray(b)[real],
-                                atol=1e-5)
+    assert_close(np.asarray(a)[real], np.asarray(b)[real], einsum_cfg)
 
   # Decode through jax_nn for the grouped variants (G > 1: MHA's decode is
   # the same call with G = 1, and its forward is checked above).
@@ -219,7 +218,7 @@ class AttentionImplTest(parameterized.TestCase):
     gb = kvjax.generate(params, nn_cfg, tokens, NEW, attention_mask=mask,
                         return_logits=True)
     np.testing.assert_array_equal(np.asarray(ga[0]), np.asarray(gb[0]))
-    chex.assert_trees_all_close(ga[1], gb[1], atol=1e-5)
+    assert_close(ga[1], gb[1], einsum_cfg)
 
   def test_cudnn_impl_on_gpu_and_a_clear_error_elsewhere(self):
     # 'cudnn' asks jax.nn.dot_product_attention for cuDNN flash attention

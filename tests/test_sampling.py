@@ -22,6 +22,7 @@ import numpy as np
 
 import kvjax
 from kvjax.sampling import GREEDY, Sampler, argmax
+from kvjax.tolerance import assert_close
 import model as model_presets  # configs/model.py (see conftest.py)
 
 # A fixed, easily checked distribution: sorted, distinct probabilities.
@@ -170,7 +171,7 @@ class SamplerTest(chex.TestCase, parameterized.TestCase):
     logits = jnp.asarray(LOGITS)[None]
     full = Sampler(temperature=1.0, top_k=len(PROBS) + 10).filter_logits(
         logits)
-    chex.assert_trees_all_close(full, logits)
+    assert_close(full, logits, depth=1)
 
   @parameterized.parameters(0.3, 0.5, 0.6, 0.72, 0.9, 0.97, 1.0)
   def test_top_p_keeps_the_smallest_prefix_reaching_p(self, p):
@@ -183,7 +184,7 @@ class SamplerTest(chex.TestCase, parameterized.TestCase):
         sampler.filter_logits(jnp.asarray(LOGITS)[None]), axis=-1))[0]
     expected = np.zeros_like(PROBS)
     expected[kept] = PROBS[kept] / PROBS[kept].sum()  # renormalized nucleus
-    np.testing.assert_allclose(probs, expected, atol=1e-6)
+    assert_close(probs, expected, depth=1)
 
   def test_top_p_draws_match_the_nucleus_mass(self):
     p, n = 0.6, 40_000
@@ -221,7 +222,7 @@ class SamplerTest(chex.TestCase, parameterized.TestCase):
     sampler = Sampler(temperature=t, top_k=k, top_p=p)
     probs = np.asarray(jax.nn.softmax(
         sampler.filter_logits(jnp.asarray(LOGITS)[None]), axis=-1))[0]
-    np.testing.assert_allclose(probs, expected, atol=1e-6)
+    assert_close(probs, expected, depth=1)
     toks = draw(sampler, LOGITS, 20_000, jax.random.key(2))
     self.assertTrue(np.isin(toks, kept).all())
 
@@ -284,8 +285,7 @@ class StoppingTest(parameterized.TestCase):
     np.testing.assert_array_equal(np.asarray(loop), expected)
     for b, end in enumerate(first):
       end = self.STEPS if end is None else end + 1
-      chex.assert_trees_all_close(loop_logits[b, :end], scan_logits[b, :end],
-                                  atol=1e-5)
+      assert_close(loop_logits[b, :end], scan_logits[b, :end], _tiny()[0])
     self.assertIsNotNone(first[0])
     self.assertIsNotNone(first[1])
 

@@ -25,6 +25,7 @@ import kvjax
 from kvjax import configs
 from kvjax import data
 from kvjax import train as train_lib
+from kvjax.tolerance import assert_close
 
 _CONFIG_FILE = pathlib.Path(__file__).parent.parent / "configs" / "train.py"
 
@@ -129,26 +130,25 @@ class LossTest(TrainTestCase):
     kept = jnp.array([[1, 2, 3, 0, 0], [4, 5, 6, 7, 8]])
     nll = optax.softmax_cross_entropy_with_integer_labels(logits, kept)
     expected = jnp.sum(nll[0, :3]) + jnp.sum(nll[1])
-    np.testing.assert_allclose(float(total), float(expected), rtol=1e-6)
+    assert_close(float(total), float(expected), depth=1)
 
   def test_uniform_model_is_eight_bits_and_change(self):
     config = _config()
     state = self._state(config)
     zeros = jax.tree.map(jnp.zeros_like, state.params)
     result = train_lib.evaluate(state.replace(params=zeros), self._val(config))
-    np.testing.assert_allclose(result["loss"], math.log(data.VOCAB_SIZE),
-                               rtol=1e-6)
-    np.testing.assert_allclose(result["bits_per_byte"],
-                               math.log2(data.VOCAB_SIZE), rtol=1e-6)
+    assert_close(result["loss"], math.log(data.VOCAB_SIZE), depth=1)
+    assert_close(result["bits_per_byte"], math.log2(data.VOCAB_SIZE),
+                 depth=1)
     self.assertEqual(result["tokens"], 2 * 4 * 16)
 
   def test_schedule(self):
     config = _config(num_steps=100, warmup_steps=10, lr=1.0, min_lr_ratio=0.1)
     schedule = train_lib.learning_rate_schedule(config)
     self.assertEqual(float(schedule(0)), 0.0)
-    np.testing.assert_allclose(float(schedule(5)), 0.5, rtol=1e-6)
-    np.testing.assert_allclose(float(schedule(10)), 1.0, rtol=1e-6)
-    np.testing.assert_allclose(float(schedule(100)), 0.1, rtol=1e-6)
+    assert_close(float(schedule(5)), 0.5, depth=1)
+    assert_close(float(schedule(10)), 1.0, depth=1)
+    assert_close(float(schedule(100)), 0.1, depth=1)
 
   def test_weight_decay_mask(self):
     params = {"embed": jnp.zeros((3, 2)),
