@@ -22,7 +22,8 @@ setuptools.setup(
     ],
     extras_require={
         # Parity tests against the reference implementation: CPU torch only.
-        "test": ["pytest>=8", "pytest-xdist>=3", "torch==2.13.0", "transformers>=4.50"],
+        "test": ["pytest>=8", "pytest-xdist>=3", "hypothesis>=6", "torch==2.13.0",
+                 "transformers>=4.50"],
         "bench": ["torch==2.13.0", "transformers>=4.50"],
         "corpus": ["rdata>=1.0"],
     },

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import cache as cache_lib
+from kvjax import errors
 from kvjax import quant
 from kvjax.config import ModelConfig
 
@@ -588,6 +589,49 @@ def decode_loop(params, config, token_B, cache, steps: int):
   return tok_B, cache
 
 
+def error_check_cost(params, config: ModelConfig, batch: int, position: int,
+                     *, steps: int = 32, repeats: int = 9
+                     ) -> dict[str, Any]:
+  """What the in-graph error state costs a decode step (`kvjax.errors`).
+
+  Two scans of `steps` greedy decode steps (decode_logits + the GREEDY
+  sampler, as generate's loop runs them) from a cache holding `position`
+  tokens: one traced normally, one inside `errors.unchecked()`. Timed
+  alternately (same load drift), `repeats` rounds.
+
+  Returns:
+    checked_step_s, unchecked_step_s (medians per step), ratio (checked /
+    unchecked, median of per-round ratios), and the rounds.
+  """
+  from kvjax import model, sampling  # pylint: disable=g-import-not-at-top
+  capacity = position + steps + 1
+
+  def make():
+    def loop(params, tok_B, cache):
+      def body(carry, _):
+        tok_B, cache = carry
+        logits_BV, cache = model.decode_logits(params, config, tok_B, cache)
+        return (sampling.GREEDY(logits_BV, None), cache), None
+      return jax.lax.scan(body, (tok_B, cache), None, length=steps)[0]
+    return jax.jit(loop)  # a fresh function: its own trace and jit cache
+
+  checked = make()
+  with errors.unchecked():
+    unchecked = make()
+    tok = jnp.zeros((batch,), jnp.int32)
+    cache = filled_cache(config, batch, capacity, position)
+    jax.block_until_ready(unchecked(params, tok, cache))  # traced here
+  jax.block_until_ready(checked(params, tok, cache))
+  t = time_alternating(dict(checked=lambda: checked(params, tok, cache),
+                            unchecked=lambda: unchecked(params, tok, cache)),
+                       warmup=1, repeats=repeats)
+  ratios = paired_ratios(t["checked"].seconds, t["unchecked"].seconds)
+  return dict(checked_step_s=t["checked"].median / steps,
+              unchecked_step_s=t["unchecked"].median / steps,
+              ratio=statistics.median(ratios), ratio_rounds=ratios,
+              batch=batch, position=position, steps=steps)
+
+
 def decode_step_seconds(params, config: ModelConfig, batch: int,
                         position: int, *, steps: int = 8, warmup: int = 1,
                         repeats: int = 5, kv_dtype: str = "float32",
@@ -619,6 +663,7 @@ def decode_step_seconds(params, config: ModelConfig, batch: int,
     return out
 
   t = time_fn(run, warmup=warmup, repeats=repeats)
+  errors.raise_if_set(state[0], "decode_step_seconds")
   step = t.median / steps
   return dict(step_s=step, tokens_per_s=batch / step, capacity=capacity,
               loop=t.to_dict())

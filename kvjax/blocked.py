@@ -42,13 +42,15 @@ class BlockedKV:
   """A decode segment's view of a float `KVCache` (see the module docstring).
 
   k: L-tuple of [B, K, W, H, X] keys; v: L-tuple of [B, K, P, H] values
-  (storage dtype of the policy); positions [B, P]; length [B].
+  (storage dtype of the policy); positions [B, P]; length [B]; errors [B]
+  (`kvjax.errors`).
   """
 
   k: tuple
   v: tuple
   positions: jax.Array
   length: jax.Array
+  errors: jax.Array | None = None
   policy: cache_lib.CachePolicy = struct.field(
       pytree_node=False, default=cache_lib.CachePolicy())
   scores = None  # no h2o: the fields the decode step reads of any cache
@@ -96,7 +98,8 @@ def from_cache(cache: cache_lib.KVCache, attend: int,
                          -1, -2) for l in range(L))
   v = tuple(cache.v[l, :, :, :attend] for l in range(L))
   return BlockedKV(k=k, v=v, positions=cache.positions[:, :attend],
-                   length=cache.length, policy=cache.policy)
+                   length=cache.length, errors=cache.errors,
+                   policy=cache.policy)
 
 
 def into_cache(cache: cache_lib.KVCache, blocked: BlockedKV
@@ -112,7 +115,7 @@ def into_cache(cache: cache_lib.KVCache, blocked: BlockedKV
       k=cache.k.at[:, :, :, :P].set(k_LBKPH),
       v=cache.v.at[:, :, :, :P].set(v_LBKPH),
       positions=cache.positions.at[:, :P].set(blocked.positions),
-      length=blocked.length)
+      length=blocked.length, errors=blocked.errors)
 
 
 def write(blocked: BlockedKV, layer: int, slots_BT, k_BTKH, v_BTKH

@@ -7,8 +7,16 @@ Two cache kinds, one per attention family:
                k_rope     [L, B, S, R]      (MLA: the shared rotary key)
 
 Both carry `positions [B, S]` (the stream position held by each slot, -1 when
-empty) and `length [B]` (tokens of each sequence seen so far, i.e. the next
-position), stored once for all layers. Static metadata (the `CachePolicy`) is
+empty), `length [B]` (tokens of each sequence seen so far, i.e. the next
+position) and `errors [B]` (a sticky bit set per sequence: overflow, an
+out-of-range id, an invalid mask, non-finite logits), stored once for all
+layers.
+
+Errors travel with the cache (`kvjax.errors`): traced code cannot raise, so
+the step that detects a problem records it here and returns NaN logits for
+the rows it hit; every public entry point raises a ValueError naming the
+error and the sequences when it receives or produces a cache with a bit
+set. Static metadata (the `CachePolicy`) is
 a non-pytree field, so it is part of the jit cache key, never traced.
 
 Slots are heads-first (`[L, B, K, S, H]`): measured 1.2-2.1x faster per decode
@@ -31,6 +39,7 @@ from flax import struct
 
 from kvjax import quant
 from kvjax.config import ModelConfig
+from kvjax.validate import check_int
 
 EVICTIONS = ("none", "window", "sinks", "h2o")
 POSITION_MODES = ("original", "cache")
@@ -174,6 +183,7 @@ class KVCache:
   k_resid: [L, B, K, key_group, H] float32, the newest (incomplete) key
   group of each sequence in full precision (else None).
   scores: [B, S] accumulated attention (h2o only, else None).
+  errors: [B] int32 error bits (`kvjax.errors`; `init_cache` sets zeros).
   """
 
   k: jax.Array
@@ -184,6 +194,7 @@ class KVCache:
   v_scale: jax.Array | None = None
   scores: jax.Array | None = None
   k_resid: jax.Array | None = None
+  errors: jax.Array | None = None
   policy: CachePolicy = struct.field(pytree_node=False,
                                      default=CachePolicy())
 
@@ -205,6 +216,7 @@ class LatentCache:
   [L, B, S / key_group, C] and [L, B, S / key_group, R], and
   c_resid [L, B, key_group, C], r_resid [L, B, key_group, R]: the newest
   group in float32 (else None).
+  errors: [B] int32 error bits (`kvjax.errors`; `init_cache` sets zeros).
   """
 
   c_kv: jax.Array
@@ -216,6 +228,7 @@ class LatentCache:
   scores: jax.Array | None = None
   c_resid: jax.Array | None = None
   r_resid: jax.Array | None = None
+  errors: jax.Array | None = None
   policy: CachePolicy = struct.field(pytree_node=False,
                                      default=CachePolicy())
 
@@ -253,13 +266,14 @@ def init_cache(config: ModelConfig, batch: int, capacity: int,
   policy = policy or CachePolicy()
   if dtype is not None:
     policy = dataclasses.replace(policy, kv_dtype=jnp.dtype(dtype).name)
-  if batch < 1:
-    raise ValueError(f"batch must be >= 1, got {batch}")
+  check_int("batch", batch, 1)
+  check_int("capacity", capacity, 1)
   policy.validate_capacity(capacity)
   store = _storage_dtype(policy)
   L, B, S = config.num_layers, batch, capacity
   positions = jnp.full((B, S), EMPTY, jnp.int32)
   length = jnp.zeros((B,), jnp.int32)
+  errors = jnp.zeros((B,), jnp.int32)
   scores = jnp.zeros((B, S), jnp.float32) if policy.eviction == "h2o" else None
   q = policy.quantized
   if config.attention == "mla":
@@ -278,7 +292,7 @@ def init_cache(config: ModelConfig, batch: int, capacity: int,
         c_kv=jnp.zeros((L, B, S, C), store),
         k_rope=jnp.zeros((L, B, S, R), store),
         positions=positions, length=length, scores=scores, policy=policy,
-        **extra)
+        errors=errors, **extra)
   K, H = config.num_kv_heads, config.head_dim
   k_scale = jnp.zeros((L, B, K, S), jnp.float32) if q else None
   k_resid = None
@@ -292,7 +306,7 @@ def init_cache(config: ModelConfig, batch: int, capacity: int,
       positions=positions, length=length,
       k_scale=k_scale,
       v_scale=jnp.zeros((L, B, K, S), jnp.float32) if q else None,
-      scores=scores, k_resid=k_resid, policy=policy)
+      scores=scores, k_resid=k_resid, errors=errors, policy=policy)
 
 
 # ---- writes -----------------------------------------------------------------

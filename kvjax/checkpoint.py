@@ -43,6 +43,7 @@ import safetensors
 
 from kvjax import model as model_lib
 from kvjax.config import ModelConfig, MoEConfig, RopeScaling
+from kvjax.validate import check_bool, check_float, check_int
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "deepseek_v2",
                          "deepseek_v3")
@@ -82,69 +83,124 @@ _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
 
 # ---- config.json -> ModelConfig --------------------------------------------
-def _require(hf: Mapping[str, Any], key: str):
+_REQUIRED = object()  # the default of a key config.json must hold
+
+
+def _require(hf: Mapping[str, Any], key: str, where: str = "config.json"):
   if hf.get(key) is None:
-    raise ValueError(f"config.json has no {key!r} (model_type "
-                     f"{hf.get('model_type')!r} needs it)")
+    needs = (f" (model_type {hf['model_type']!r} needs it)"
+             if "model_type" in hf else "")
+    raise ValueError(f"{where} has no {key!r}{needs}")
   return hf[key]
 
 
-def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling]:
+def _name(where: str, key: str) -> str:
+  """How errors name a key: 'config.json vocab_size' at the top level,
+  'config.json rope_parameters.factor' inside a section."""
+  return f"config.json {key}" if where == "config.json" else f"{where}.{key}"
+
+
+def _int(m: Mapping[str, Any], key: str, default=_REQUIRED, *,
+         minimum: int = 1, where: str = "config.json") -> int:
+  """m[key] as an int >= minimum; `default` when absent or null (as
+  transformers' config classes read them). Never `int(x)`: that would
+  truncate a hidden_size of 32.9 and read true as 1."""
+  if m.get(key) is None and default is not _REQUIRED:
+    return default
+  return check_int(_name(where, key), _require(m, key, where), minimum)
+
+
+def _float(m: Mapping[str, Any], key: str, default=_REQUIRED, *,
+           minimum: float = 0.0, strict: bool = True,
+           where: str = "config.json") -> float:
+  """m[key] as a finite float > minimum (>= unless `strict`); `default` when
+  absent or null. JSON's NaN and Infinity, which Python's json module
+  reads, are refused by name."""
+  if m.get(key) is None and default is not _REQUIRED:
+    return default
+  return check_float(_name(where, key), _require(m, key, where), minimum,
+                     strict=strict)
+
+
+def _bool(m: Mapping[str, Any], key: str, default: bool, *,
+          where: str = "config.json") -> bool:
+  """m[key] as a bool (not its truthiness: the string "false" is truthy);
+  `default` when absent or null."""
+  if m.get(key) is None:
+    return default
+  return check_bool(_name(where, key), m[key])
+
+
+def _rope_from_hf(hf: Mapping[str, Any],
+                  max_pos: int) -> tuple[float, RopeScaling]:
   """rope_theta and RopeScaling from either config.json format.
 
   As transformers: a legacy `rope_scaling` wins over `rope_parameters`;
-  `rope_theta` inside the dict wins over the top-level key.
+  `rope_theta` inside the dict wins over the top-level key. `max_pos` is
+  the (validated) max_position_embeddings.
   """
-  rp = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+  section = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+  rp = hf.get(section) or {}
   if not isinstance(rp, Mapping):
     raise ValueError(f"config.json rope_scaling/rope_parameters must be a "
                      f"mapping, got {rp!r}")
   if any(isinstance(v, Mapping) for v in rp.values()):
     raise ValueError("config.json has per-layer-type rope_parameters "
                      f"({sorted(rp)}); kvjax supports one RoPE for all layers")
-  theta = float(rp.get("rope_theta", hf.get("rope_theta", 10000.0)))
+  w = f"config.json {section}"
+  theta = _float(rp, "rope_theta", None, where=w)
+  if theta is None:
+    theta = _float(hf, "rope_theta", 10000.0)
   kind = rp.get("rope_type", rp.get("type", "default"))
-  partial = rp.get("partial_rotary_factor",
-                   hf.get("partial_rotary_factor"))
-  if partial is not None and float(partial) != 1.0:
+  partial = _float(rp, "partial_rotary_factor", None, where=w)
+  if partial is None:
+    partial = _float(hf, "partial_rotary_factor", 1.0)
+  if partial != 1.0:
     raise ValueError(f"config.json partial_rotary_factor={partial} is not "
                      "supported (kvjax rotates the whole rope dim)")
-  max_pos = hf.get("max_position_embeddings",
-                   _DEFAULT_MAX_POSITIONS[hf["model_type"]])
-  original = int(hf.get("original_max_position_embeddings",
-                        rp.get("original_max_position_embeddings", max_pos)))
+  key = "original_max_position_embeddings"
+  if hf.get(key) is not None:
+    original = _int(hf, key)
+  else:
+    original = _int(rp, key, max_pos, where=w)
   if kind == "default":
     return theta, RopeScaling()
   if kind in ("linear", "dynamic"):
     # `dynamic` (NTK) recomputes frequencies only for positions beyond
     # max_position_embeddings; inside that range it is the default RoPE,
     # which is what kvjax's static tables compute.
-    return theta, RopeScaling(kind=kind, factor=float(_require(rp, "factor")))
+    return theta, RopeScaling(kind=kind, factor=_float(rp, "factor", where=w))
   if kind == "llama3":
     return theta, RopeScaling(
-        kind="llama3", factor=float(_require(rp, "factor")),
+        kind="llama3", factor=_float(rp, "factor", where=w),
         original_max_position=original,
-        low_freq_factor=float(_require(rp, "low_freq_factor")),
-        high_freq_factor=float(_require(rp, "high_freq_factor")))
+        low_freq_factor=_float(rp, "low_freq_factor", where=w),
+        high_freq_factor=_float(rp, "high_freq_factor", where=w))
   if kind == "yarn":
     if rp.get("truncate", True) is not True:
       raise ValueError("config.json yarn truncate=false is not supported")
-    factor = rp.get("factor")
-    if factor is None:
-      factor = max_pos / original
-    attention_factor = rp.get("attention_factor")
+    # `original` >= 1 here: the division cannot fail.
+    factor = _float(rp, "factor", max_pos / original, where=w)
+    # As transformers, 0 reads as absent (`x or default`) for these four.
+    nonneg = dict(minimum=0.0, strict=False, where=w)
     return theta, RopeScaling(
-        kind="yarn", factor=float(factor), original_max_position=original,
-        beta_fast=float(rp.get("beta_fast") or 32),
-        beta_slow=float(rp.get("beta_slow") or 1),
+        kind="yarn", factor=factor, original_max_position=original,
+        beta_fast=_float(rp, "beta_fast", 0.0, **nonneg) or 32.0,
+        beta_slow=_float(rp, "beta_slow", 0.0, **nonneg) or 1.0,
         # A missing mscale must stay falsy: transformers then uses
         # get_mscale(factor), not the mscale / mscale_all_dim ratio.
-        mscale=float(rp.get("mscale") or 0.0),
-        mscale_all_dim=float(rp.get("mscale_all_dim") or 0.0),
-        attention_factor=(None if attention_factor is None else
-                          float(attention_factor)))
+        mscale=_float(rp, "mscale", 0.0, **nonneg),
+        mscale_all_dim=_float(rp, "mscale_all_dim", 0.0, **nonneg),
+        attention_factor=_float(rp, "attention_factor", None, where=w))
   raise ValueError(f"config.json rope type {kind!r} is not supported; "
                    "supported: default, linear, dynamic, llama3, yarn")
+
+
+def _window(hf: Mapping[str, Any]) -> int:
+  # The config classes' default is 4096 when the key is absent; null = off.
+  if "sliding_window" not in hf:
+    return 4096
+  return _int(hf, "sliding_window", 0, minimum=0)
 
 
 def _sliding_window(hf: Mapping[str, Any], num_layers: int) -> int:
@@ -152,18 +208,20 @@ def _sliding_window(hf: Mapping[str, Any], num_layers: int) -> int:
   transformers."""
   mt = hf["model_type"]
   if mt == "mistral":
-    # MistralConfig's default is 4096 when the key is absent; null = off.
-    return int(hf.get("sliding_window", 4096) or 0)
-  if mt != "qwen2" or not hf.get("use_sliding_window", False):
+    return _window(hf)
+  if mt != "qwen2" or not _bool(hf, "use_sliding_window", False):
     return 0
-  window = int(hf.get("sliding_window", 4096) or 0)
+  window = _window(hf)
   if not window:
     return 0
   layer_types = hf.get("layer_types")
   if layer_types is None:
-    first = int(hf.get("max_window_layers", 28))
+    first = _int(hf, "max_window_layers", 28, minimum=0)
     layer_types = ["sliding_attention" if i >= first else "full_attention"
                    for i in range(num_layers)]
+  if not isinstance(layer_types, list):
+    raise ValueError(f"config.json layer_types must be a list, got "
+                     f"{layer_types!r}")
   sliding = {t == "sliding_attention" for t in layer_types[:num_layers]}
   if sliding == {True}:
     return window
@@ -195,6 +253,11 @@ def config_from_hf(hf: Mapping[str, Any], *, param_dtype: str | None = None,
                    compute_dtype: str = "float32") -> ModelConfig:
   """Builds the kvjax config a Hugging Face config.json describes.
 
+  Every number is checked (`kvjax.validate`) as it is read, before any
+  arithmetic on it (head_dim = hidden_size // num_attention_heads, yarn's
+  max_position / original), and the result goes through ModelConfig's own
+  validation.
+
   Args:
     hf: the parsed config.json.
     param_dtype: dtype the params will be stored in; None = the checkpoint's
@@ -203,42 +266,50 @@ def config_from_hf(hf: Mapping[str, Any], *, param_dtype: str | None = None,
   Returns:
     A validated ModelConfig.
   Raises:
-    ValueError naming the unsupported model type, key or feature.
+    ValueError naming the unsupported model type, key or feature, or the
+    config.json key (or ModelConfig field) holding an invalid value: a
+    float or bool for an int (never truncated), a count below 1, NaN,
+    infinity or an out-of-range float.
   """
+  if not isinstance(hf, Mapping):
+    raise ValueError(f"config.json must hold a JSON object, got "
+                     f"{type(hf).__name__}")
   mt = hf.get("model_type")
   if mt not in SUPPORTED_MODEL_TYPES:
     raise ValueError(f"model_type {mt!r} is not supported; supported: "
                      f"{', '.join(SUPPORTED_MODEL_TYPES)}")
   _check_unsupported(hf)
-  D = int(_require(hf, "hidden_size"))
-  N = int(_require(hf, "num_attention_heads"))
-  L = int(_require(hf, "num_hidden_layers"))
-  theta, rope_scaling = _rope_from_hf(hf)
+  D = _int(hf, "hidden_size")
+  N = _int(hf, "num_attention_heads")
+  L = _int(hf, "num_hidden_layers")
+  max_pos = _int(hf, "max_position_embeddings", _DEFAULT_MAX_POSITIONS[mt])
+  theta, rope_scaling = _rope_from_hf(hf, max_pos)
   fields = dict(
-      vocab_size=int(_require(hf, "vocab_size")), num_layers=L, embed_dim=D,
-      num_heads=N, mlp_dim=int(_require(hf, "intermediate_size")),
-      rope_theta=theta, rope_scaling=rope_scaling,
-      max_seq_len=int(hf.get("max_position_embeddings",
-                             _DEFAULT_MAX_POSITIONS[mt])),
-      rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-      tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+      vocab_size=_int(hf, "vocab_size"), num_layers=L, embed_dim=D,
+      num_heads=N, mlp_dim=_int(hf, "intermediate_size"),
+      rope_theta=theta, rope_scaling=rope_scaling, max_seq_len=max_pos,
+      rms_norm_eps=_float(hf, "rms_norm_eps", 1e-6, strict=False),
+      tie_embeddings=_bool(hf, "tie_word_embeddings", False),
       param_dtype=param_dtype or checkpoint_dtype(hf) or "float32",
       compute_dtype=compute_dtype)
   if mt.startswith("deepseek"):
-    fields.update(_deepseek_fields(hf, rope_scaling))
+    fields.update(_deepseek_fields(hf, L, rope_scaling))
   else:
-    kv_heads = hf.get("num_key_value_heads", _DEFAULT_KV_HEADS.get(mt))
-    head_dim = hf.get("head_dim") or D // N
-    bias = bool(hf.get("attention_bias", False)) if mt == "llama" else False
+    # Absent: the config class's default; null: one kv head per query head.
+    kv_heads = _DEFAULT_KV_HEADS.get(mt, N)
+    if "num_key_value_heads" in hf:
+      kv_heads = _int(hf, "num_key_value_heads", N)
+    bias = _bool(hf, "attention_bias", False) if mt == "llama" else False
     fields.update(
-        attention="gqa", num_kv_heads=int(kv_heads or N),
-        head_dim_override=int(head_dim), rope_layout="half",
+        attention="gqa", num_kv_heads=kv_heads,
+        # N >= 1 was checked above.
+        head_dim_override=_int(hf, "head_dim", D // N), rope_layout="half",
         qkv_bias=bias or mt == "qwen2", o_bias=bias,
         sliding_window=_sliding_window(hf, L))
   return ModelConfig(**fields)
 
 
-def _deepseek_fields(hf: Mapping[str, Any], rope_scaling: RopeScaling):
+def _deepseek_fields(hf: Mapping[str, Any], L: int, rope_scaling: RopeScaling):
   mt = hf["model_type"]
   d = dict(_DEEPSEEK_DEFAULTS[mt])
   d.update({k: hf[k] for k in d if k in hf})
@@ -253,9 +324,8 @@ def _deepseek_fields(hf: Mapping[str, Any], rope_scaling: RopeScaling):
   if mt == "deepseek_v2":
     layout = "interleaved"
   else:
-    layout = "interleaved" if d.get("rope_interleave", True) else "half"
-  L = int(hf["num_hidden_layers"])
-  first_dense = int(d["first_k_dense_replace"] or 0)
+    layout = "interleaved" if _bool(d, "rope_interleave", True) else "half"
+  first_dense = _int(d, "first_k_dense_replace", 0, minimum=0)
   moe = None
   if first_dense < L:
     for key in ("n_routed_experts", "num_experts_per_tok",
@@ -275,30 +345,30 @@ def _deepseek_fields(hf: Mapping[str, Any], rope_scaling: RopeScaling):
       if method == "greedy":
         groups = topk_groups = 1
       else:
-        groups = int(_require(hf, "n_group"))
-        topk_groups = int(_require(hf, "topk_group"))
+        groups = _int(d, "n_group")
+        topk_groups = _int(d, "topk_group")
     else:
       # transformers' V3 router: sigmoid scores, bias-corrected group top-k
       # (n_group / topk_group, whatever topk_method says).
       method, scoring = "noaux_tc", "sigmoid"
-      norm = bool(d.get("norm_topk_prob"))
-      groups = int(d.get("n_group") or 1)
-      topk_groups = int(d.get("topk_group") or 1)
+      norm = _bool(d, "norm_topk_prob", False)
+      groups = _int(d, "n_group", 1)
+      topk_groups = _int(d, "topk_group", 1)
     moe = MoEConfig(
-        num_experts=int(d["n_routed_experts"]),
-        experts_per_token=int(d["num_experts_per_tok"]),
-        expert_dim=int(d["moe_intermediate_size"]),
-        num_shared_experts=int(d.get("n_shared_experts") or 0),
+        num_experts=_int(d, "n_routed_experts"),
+        experts_per_token=_int(d, "num_experts_per_tok"),
+        expert_dim=_int(d, "moe_intermediate_size"),
+        num_shared_experts=_int(d, "n_shared_experts", 0, minimum=0),
         first_dense_layers=first_dense,
-        routed_scaling_factor=float(d.get("routed_scaling_factor") or 1.0),
+        routed_scaling_factor=_float(d, "routed_scaling_factor", 1.0),
         scoring=scoring, topk_method=method, num_groups=groups,
         topk_groups=topk_groups, norm_topk_prob=norm)
   return dict(
-      attention="mla", num_kv_heads=1, kv_lora_rank=int(d["kv_lora_rank"]),
-      q_lora_rank=int(d["q_lora_rank"] or 0),
-      qk_nope_head_dim=int(d["qk_nope_head_dim"]),
-      qk_rope_head_dim=int(d["qk_rope_head_dim"]),
-      v_head_dim=int(d["v_head_dim"]), rope_layout=layout, moe=moe)
+      attention="mla", num_kv_heads=1, kv_lora_rank=_int(d, "kv_lora_rank"),
+      q_lora_rank=_int(d, "q_lora_rank", 0, minimum=0),
+      qk_nope_head_dim=_int(d, "qk_nope_head_dim"),
+      qk_rope_head_dim=_int(d, "qk_rope_head_dim"),
+      v_head_dim=_int(d, "v_head_dim"), rope_layout=layout, moe=moe)
 
 
 def checkpoint_dtype(hf: Mapping[str, Any]) -> str | None:
@@ -483,9 +553,10 @@ def _tensor_files(path: str) -> tuple[list[str], dict[str, str] | None]:
   index = os.path.join(path, INDEX_FILE)
   if os.path.exists(index):
     try:
-      with open(index) as f:
+      with open(index, encoding="utf-8") as f:
         weight_map = json.load(f)["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError,
+            TypeError) as e:
       raise ValueError(f"{index}: not a valid shard index ({e!r})") from e
     files = sorted(set(weight_map.values()))
     absent = [f for f in files if not os.path.isfile(os.path.join(path, f))]
@@ -665,6 +736,24 @@ def _read(path: str, where, plan: Mapping[str, _Tensor],
   return tree, extra
 
 
+def _read_config_json(cfg_file: str) -> dict[str, Any]:
+  """The JSON object in `cfg_file`; ValueError naming the file when it is
+  not UTF-8 text, not JSON, or not an object."""
+  try:
+    with open(cfg_file, "rb") as f:
+      text = f.read().decode("utf-8")
+  except UnicodeDecodeError as e:
+    raise ValueError(f"{cfg_file} is not UTF-8 text: {e}") from e
+  try:
+    hf = json.loads(text)
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{cfg_file} is not valid JSON: {e}") from e
+  if not isinstance(hf, dict):
+    raise ValueError(f"{cfg_file} must hold a JSON object, got "
+                     f"{type(hf).__name__}")
+  return hf
+
+
 def load_checkpoint(path, *, param_dtype: str | None = None,
                     compute_dtype: str = "float32"):
   """Loads a Hugging Face checkpoint directory into kvjax.
@@ -680,9 +769,11 @@ def load_checkpoint(path, *, param_dtype: str | None = None,
     (ModelConfig, params) ready for `kvjax.forward` / `kvjax.generate`.
   Raises:
     ValueError (before anything is returned) for: a missing directory or
-    config.json, an unsupported model_type or feature, pickle-based files, an
-    unreadable / truncated safetensors file, and missing, unexpected,
-    misshapen or wrongly typed tensors (named with their file).
+    config.json, a config.json that is not UTF-8 JSON or holds an invalid
+    value (checked before any tensor file is opened), an unsupported
+    model_type or feature, pickle-based files, an unreadable / truncated
+    safetensors file, and missing, unexpected, misshapen or wrongly typed
+    tensors (named with their file).
   """
   path = os.fspath(path)
   if not os.path.exists(path):
@@ -696,28 +787,26 @@ def load_checkpoint(path, *, param_dtype: str | None = None,
   if not os.path.isfile(cfg_file):
     raise ValueError(f"{path} has no config.json (not a Hugging Face "
                      "checkpoint directory)")
-  try:
-    with open(cfg_file) as f:
-      hf = json.load(f)
-  except json.JSONDecodeError as e:
-    raise ValueError(f"{cfg_file} is not valid JSON: {e}") from e
-  if not isinstance(hf, dict):
-    raise ValueError(f"{cfg_file} must hold a JSON object")
+  hf = _read_config_json(cfg_file)
   if hf.get("model_type") not in SUPPORTED_MODEL_TYPES:
     raise ValueError(
         f"{cfg_file}: model_type {hf.get('model_type')!r} is not supported; "
         f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-  files, weight_map = _tensor_files(path)
-  where = _scan(path, files, weight_map)
-  if param_dtype is None and checkpoint_dtype(hf) is None:
-    tags = collections.Counter(t for _, _, t in where.values()
-                               if t in FLOAT_DTYPES)
-    param_dtype = FLOAT_DTYPES[tags.most_common(1)[0][0]] if tags else None
+  # Every config.json value is validated before a tensor file is opened.
   try:
     config = config_from_hf(hf, param_dtype=param_dtype,
                             compute_dtype=compute_dtype)
   except ValueError as e:
     raise ValueError(f"{cfg_file}: {e}") from e
+  files, weight_map = _tensor_files(path)
+  where = _scan(path, files, weight_map)
+  if param_dtype is None and checkpoint_dtype(hf) is None:
+    # config.json declares no dtype: store the weights as the files do.
+    tags = collections.Counter(t for _, _, t in where.values()
+                               if t in FLOAT_DTYPES)
+    if tags:
+      config = config.replace(
+          param_dtype=FLOAT_DTYPES[tags.most_common(1)[0][0]])
   fused = frozenset(
       i for i in range(config.num_layers)
       if f"model.layers.{i}.mlp.experts.gate_up_proj" in where)

@@ -20,6 +20,8 @@ from typing import Any, Mapping
 
 import jax.numpy as jnp
 
+from kvjax.validate import check_bool, check_choice, check_float, check_int
+
 ATTENTION_KINDS = ("gqa", "mla")
 ROPE_LAYOUTS = ("half", "interleaved")
 ROPE_SCALINGS = ("none", "linear", "dynamic", "llama3", "yarn")
@@ -27,6 +29,14 @@ MLA_DECODE_PATHS = ("absorbed", "naive")
 ATTENTION_IMPLS = ("einsum", "jax_nn", "cudnn")
 MOE_SCORINGS = ("softmax", "sigmoid")
 MOE_TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _normalize(obj, name: str, value) -> None:
+  """Stores a checked value back into a frozen dataclass field, so fields
+  hold plain Python values (numpy ints and JSON ints given for floats
+  become int / float: hashable alike, JSON-serialisable by `to_dict`)."""
+  object.__setattr__(obj, name, value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,11 +57,42 @@ class RopeScaling:
   attention_factor: float | None = None
 
   def __post_init__(self):
-    if self.kind not in ROPE_SCALINGS:
+    """Validates every field (see `kvjax.validate` for the error form).
+
+    Raises:
+      ValueError naming the field: `kind` not in ROPE_SCALINGS; `factor`,
+      `low_freq_factor`, `high_freq_factor`, `beta_fast`, `beta_slow` not
+      finite and > 0; `mscale`, `mscale_all_dim` not finite and >= 0;
+      `attention_factor` neither None nor finite and > 0;
+      `original_max_position` not an int >= 0 (>= 1 for llama3 and yarn,
+      whose formulas divide by it or take its log); llama3 with
+      `high_freq_factor <= low_freq_factor` (the smoothing divides by the
+      difference).
+    """
+    n = "RopeScaling."
+    check_choice(n + "kind", self.kind, ROPE_SCALINGS)
+    # Positive: each is a divisor or the argument of a log in
+    # `layers.rope_frequencies`.
+    for name in ("factor", "low_freq_factor", "high_freq_factor",
+                 "beta_fast", "beta_slow"):
+      _normalize(self, name,
+                 check_float(n + name, getattr(self, name), 0, strict=True))
+    # 0 means "absent" (yarn then uses the factor-only amplitude).
+    for name in ("mscale", "mscale_all_dim"):
+      _normalize(self, name, check_float(n + name, getattr(self, name), 0))
+    if self.attention_factor is not None:
+      _normalize(self, "attention_factor",
+                 check_float(n + "attention_factor", self.attention_factor,
+                             0, strict=True))
+    needs_length = self.kind in ("llama3", "yarn")
+    _normalize(self, "original_max_position", check_int(
+        n + "original_max_position" +
+        (f" (kind={self.kind!r})" if needs_length else ""),
+        self.original_max_position, 1 if needs_length else 0))
+    if self.kind == "llama3" and self.high_freq_factor <= self.low_freq_factor:
       raise ValueError(
-          f"rope_scaling.kind={self.kind!r} is not one of {ROPE_SCALINGS}")
-    if self.kind != "none" and self.factor <= 0:
-      raise ValueError(f"rope_scaling.factor must be > 0, got {self.factor}")
+          f"{n}high_freq_factor={self.high_freq_factor} must be > "
+          f"low_freq_factor={self.low_freq_factor} for kind='llama3'")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,34 +112,84 @@ class MoEConfig:
   norm_topk_prob: bool = False
 
   def __post_init__(self):
-    if self.num_experts < 1:
-      raise ValueError(f"moe.num_experts must be >= 1, got {self.num_experts}")
-    if not 1 <= self.experts_per_token <= self.num_experts:
-      raise ValueError(
-          f"moe.experts_per_token={self.experts_per_token} must be in "
-          f"[1, num_experts={self.num_experts}]")
-    if self.scoring not in MOE_SCORINGS:
-      raise ValueError(f"moe.scoring={self.scoring!r} not in {MOE_SCORINGS}")
-    if self.topk_method not in MOE_TOPK_METHODS:
-      raise ValueError(
-          f"moe.topk_method={self.topk_method!r} not in {MOE_TOPK_METHODS}")
-    if self.num_experts % self.num_groups:
-      raise ValueError(
-          f"moe.num_groups={self.num_groups} must divide "
-          f"num_experts={self.num_experts}")
-    if self.expert_dim < 1 or self.num_shared_experts < 0:
-      raise ValueError(
-          f"moe.expert_dim={self.expert_dim} must be >= 1 and "
-          f"moe.num_shared_experts={self.num_shared_experts} >= 0")
-    if not 1 <= self.topk_groups <= self.num_groups:
-      raise ValueError(f"moe.topk_groups={self.topk_groups} must be in "
-                       f"[1, num_groups={self.num_groups}]")
-    if (self.topk_method == "noaux_tc" and
-        self.num_experts // self.num_groups < 2):
+    """Validates every field (see `kvjax.validate` for the error form).
+
+    Raises:
+      ValueError naming the field: counts not ints (num_experts, expert_dim,
+      num_groups >= 1; num_shared_experts, first_dense_layers >= 0);
+      experts_per_token outside [1, num_experts]; num_groups not dividing
+      num_experts; topk_groups outside [1, num_groups]; a group-limited
+      method whose kept groups hold fewer than experts_per_token experts
+      (noaux_tc also needs >= 2 experts per group); routed_scaling_factor
+      not finite and > 0; scoring / topk_method not in their sets;
+      norm_topk_prob not a bool.
+    """
+    n = "MoEConfig."
+    E = check_int(n + "num_experts", self.num_experts, 1)
+    _normalize(self, "num_experts", E)
+    _normalize(self, "experts_per_token", check_int(
+        n + "experts_per_token", self.experts_per_token, 1, E))
+    for name, minimum in (("expert_dim", 1), ("num_shared_experts", 0),
+                          ("first_dense_layers", 0)):
+      _normalize(self, name, check_int(n + name, getattr(self, name),
+                                       minimum))
+    _normalize(self, "routed_scaling_factor", check_float(
+        n + "routed_scaling_factor", self.routed_scaling_factor, 0,
+        strict=True))
+    check_choice(n + "scoring", self.scoring, MOE_SCORINGS)
+    check_choice(n + "topk_method", self.topk_method, MOE_TOPK_METHODS)
+    _normalize(self, "norm_topk_prob",
+               check_bool(n + "norm_topk_prob", self.norm_topk_prob))
+    G = check_int(n + "num_groups", self.num_groups, 1, E)
+    _normalize(self, "num_groups", G)
+    if E % G:
+      raise ValueError(f"{n}num_groups={G} must divide num_experts={E}")
+    _normalize(self, "topk_groups", check_int(
+        f"{n}topk_groups (num_groups={G})", self.topk_groups, 1, G))
+    if self.topk_method == "noaux_tc" and E // G < 2:
       # A noaux_tc group is scored by the sum of its two best experts.
       raise ValueError(
-          f"moe.topk_method='noaux_tc' needs >= 2 experts per group, got "
-          f"num_experts={self.num_experts}, num_groups={self.num_groups}")
+          f"{n}topk_method='noaux_tc' needs >= 2 experts per group, got "
+          f"num_experts={E}, num_groups={G}")
+    if (self.topk_method != "greedy" and
+        self.experts_per_token > self.topk_groups * (E // G)):
+      # Otherwise top-k would pick masked-out experts.
+      raise ValueError(
+          f"{n}experts_per_token={self.experts_per_token} exceeds the "
+          f"{self.topk_groups * (E // G)} experts of the topk_groups="
+          f"{self.topk_groups} groups that {self.topk_method!r} keeps")
+
+
+def _from_mapping(cls, m, name: str):
+  """cls(**m) for a mapping m, with unknown keys a ValueError naming them."""
+  if not isinstance(m, Mapping):
+    raise ValueError(f"{name} must be a {cls.__name__} or a mapping, got "
+                     f"{m!r}")
+  fields = dataclasses.fields(cls)
+  unknown = sorted(set(m) - {f.name for f in fields})
+  if unknown:
+    raise ValueError(f"unknown {name} fields: {unknown}")
+  missing = [f.name for f in fields if f.name not in m and
+             f.default is dataclasses.MISSING]
+  if missing:
+    raise ValueError(f"{name} is missing required fields: {missing}")
+  return cls(**m)
+
+
+# ModelConfig's numeric fields and their minimums. 0 is allowed where it
+# means "off" or "derive it": head_dim_override (embed_dim // num_heads),
+# q_lora_rank (no query latent), sliding_window (full attention), and the
+# MLA dims, which a GQA config leaves at 0 (`attention='mla'` requires >= 1).
+_INT_FIELDS = (("vocab_size", 1), ("num_layers", 1), ("embed_dim", 1),
+               ("num_heads", 1), ("num_kv_heads", 1), ("head_dim_override", 0),
+               ("mlp_dim", 1), ("kv_lora_rank", 0), ("q_lora_rank", 0),
+               ("qk_nope_head_dim", 0), ("qk_rope_head_dim", 0),
+               ("v_head_dim", 0), ("max_seq_len", 1), ("sliding_window", 0))
+# (name, minimum, strict): rope_theta is a log base / power base,
+# init_scale a standard deviation (0 would give a degenerate all-zero model);
+# rms_norm_eps = 0 is plain RMS normalisation.
+_FLOAT_FIELDS = (("rope_theta", 0, True), ("rms_norm_eps", 0, False),
+                 ("init_scale", 0, True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,54 +234,67 @@ class ModelConfig:
   init_scale: float = 0.02
 
   def __post_init__(self):
-    for name in ("vocab_size", "num_layers", "embed_dim", "num_heads",
-                 "mlp_dim"):
-      if getattr(self, name) < 1:
-        raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-    if self.attention not in ATTENTION_KINDS:
-      raise ValueError(
-          f"attention={self.attention!r} is not one of {ATTENTION_KINDS}")
-    if self.rope_layout not in ROPE_LAYOUTS:
-      raise ValueError(
-          f"rope_layout={self.rope_layout!r} is not one of {ROPE_LAYOUTS}")
-    if self.attention_impl not in ATTENTION_IMPLS:
-      raise ValueError(f"attention_impl={self.attention_impl!r} is not one "
-                       f"of {ATTENTION_IMPLS}")
-    for name in ("param_dtype", "compute_dtype"):
-      if getattr(self, name) not in ("float32", "bfloat16", "float16"):
-        raise ValueError(f"{name}={getattr(self, name)!r} must be float32, "
-                         "bfloat16 or float16")
-    if self.sliding_window < 0:
-      raise ValueError(f"sliding_window must be >= 0, got "
-                       f"{self.sliding_window}")
-    if self.head_dim_override < 0:
-      raise ValueError("head_dim_override must be >= 0")
+    """Validates every field, before any derived value divides by one.
+
+    Raises:
+      ValueError naming the field and the bad value: an int field that is
+      not an int (bool and float refused, see `kvjax.validate.check_int`) or
+      is below its minimum (sizes >= 1; head_dim_override, the MLA dims,
+      sliding_window >= 0); rope_theta / init_scale not finite and > 0;
+      rms_norm_eps not finite and >= 0; a string not in its set; a flag not
+      a bool; rope_scaling not a RopeScaling, moe not None or a MoEConfig;
+      and the cross-field rules (GQA: N divisible by K, D by N unless
+      head_dim_override is set, H even; MLA: C, P, R, v >= 1 and R even;
+      yarn: rope_theta > 1; moe.first_dense_layers <= num_layers).
+    """
+    n = "ModelConfig."
+    for name, minimum in _INT_FIELDS:
+      _normalize(self, name, check_int(n + name, getattr(self, name),
+                                       minimum))
+    for name, minimum, strict in _FLOAT_FIELDS:
+      _normalize(self, name, check_float(n + name, getattr(self, name),
+                                         minimum, strict=strict))
+    for name in ("tie_embeddings", "qkv_bias", "o_bias"):
+      _normalize(self, name, check_bool(n + name, getattr(self, name)))
+    for name, choices in (("attention", ATTENTION_KINDS),
+                          ("mla_decode", MLA_DECODE_PATHS),
+                          ("rope_layout", ROPE_LAYOUTS),
+                          ("attention_impl", ATTENTION_IMPLS),
+                          ("param_dtype", DTYPES), ("compute_dtype", DTYPES)):
+      check_choice(n + name, getattr(self, name), choices)
+    if not isinstance(self.rope_scaling, RopeScaling):
+      raise ValueError(f"{n}rope_scaling must be a RopeScaling, got "
+                       f"{self.rope_scaling!r}")
+    if self.moe is not None and not isinstance(self.moe, MoEConfig):
+      raise ValueError(f"{n}moe must be None or a MoEConfig, got "
+                       f"{self.moe!r}")
+    # Cross-field rules; every count above is now an int >= its minimum.
     if self.attention == "gqa":
       if self.head_dim_override == 0 and self.embed_dim % self.num_heads:
         raise ValueError(
-            f"embed_dim={self.embed_dim} is not divisible by num_heads="
+            f"{n}embed_dim={self.embed_dim} is not divisible by num_heads="
             f"{self.num_heads}; set head_dim_override")
-      if self.num_kv_heads < 1:
-        raise ValueError(f"num_kv_heads must be >= 1, got {self.num_kv_heads}")
       if self.num_heads % self.num_kv_heads:
         raise ValueError(
-            f"num_heads={self.num_heads} is not divisible by num_kv_heads="
+            f"{n}num_heads={self.num_heads} is not divisible by num_kv_heads="
             f"{self.num_kv_heads}")
       if self.head_dim % 2:
-        raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        raise ValueError(f"{n}head_dim={self.head_dim} must be even for RoPE")
     else:
       for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                    "v_head_dim"):
-        if getattr(self, name) < 1:
-          raise ValueError(f"MLA needs {name} >= 1, got {getattr(self, name)}")
-      if self.q_lora_rank < 0:
-        raise ValueError(f"q_lora_rank must be >= 0, got {self.q_lora_rank}")
+        check_int(f"{n}{name} (attention='mla')", getattr(self, name), 1)
       if self.qk_rope_head_dim % 2:
-        raise ValueError(
-            f"qk_rope_head_dim={self.qk_rope_head_dim} must be even for RoPE")
-    if self.mla_decode not in MLA_DECODE_PATHS:
+        raise ValueError(f"{n}qk_rope_head_dim={self.qk_rope_head_dim} must "
+                         "be even for RoPE")
+    if self.rope_scaling.kind == "yarn" and self.rope_theta <= 1:
+      # yarn's correction range divides by log(rope_theta).
+      raise ValueError(f"{n}rope_theta={self.rope_theta} must be > 1 with "
+                       "rope_scaling.kind='yarn'")
+    if self.moe is not None and self.moe.first_dense_layers > self.num_layers:
       raise ValueError(
-          f"mla_decode={self.mla_decode!r} is not one of {MLA_DECODE_PATHS}")
+          f"{n}moe.first_dense_layers={self.moe.first_dense_layers} exceeds "
+          f"num_layers={self.num_layers}")
 
   # ---- derived values -------------------------------------------------------
   @property
@@ -264,26 +368,46 @@ class ModelConfig:
   def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
     """Builds a config from a plain mapping (e.g. `dict(cfg.model)`).
 
-    Unknown keys raise `ValueError` naming them, so a typo never passes.
-    `rope_scaling` and `moe` may be nested mappings. `head_dim` is accepted
-    as an alias of `head_dim_override`.
+    Every value goes through the same validation as the constructor (a
+    float for an int field is refused, never truncated). Unknown keys raise
+    `ValueError` naming them, so a typo never passes. `rope_scaling` and
+    `moe` may be nested mappings (a `moe` with num_experts 0 or absent means
+    no MoE: a ConfigDict section cannot be None). `head_dim` is accepted as
+    an alias of `head_dim_override` (None or 0: derived).
     """
+    if not isinstance(d, Mapping):
+      raise ValueError(f"ModelConfig.from_dict needs a mapping, got "
+                       f"{type(d).__name__}")
     d = dict(d)
     if "head_dim" in d:
-      d["head_dim_override"] = d.pop("head_dim") or 0
+      if "head_dim_override" in d:
+        raise ValueError("ModelConfig.from_dict: give head_dim or "
+                         "head_dim_override, not both")
+      head_dim = d.pop("head_dim")
+      # Checked here so that the error names the key the caller wrote.
+      d["head_dim_override"] = 0 if head_dim is None else check_int(
+          "ModelConfig.head_dim (alias of head_dim_override)", head_dim, 0)
     fields = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(d) - fields)
     if unknown:
       raise ValueError(f"unknown ModelConfig fields: {unknown}")
     rs = d.get("rope_scaling")
-    if rs is not None and not isinstance(rs, RopeScaling):
-      d["rope_scaling"] = RopeScaling(**dict(rs))
-    elif rs is None:
+    if rs is None:
       d.pop("rope_scaling", None)
+    elif not isinstance(rs, RopeScaling):
+      d["rope_scaling"] = _from_mapping(RopeScaling, rs,
+                                        "ModelConfig.rope_scaling")
     moe = d.get("moe")
     if moe is not None and not isinstance(moe, MoEConfig):
-      moe = dict(moe)
-      d["moe"] = MoEConfig(**moe) if moe.get("num_experts", 0) else None
+      if not isinstance(moe, Mapping):
+        raise ValueError(f"ModelConfig.moe must be None, a MoEConfig or a "
+                         f"mapping, got {moe!r}")
+      # Only an int 0 (or no key) means off: a num_experts of 0.0, 0.5 or
+      # False must reach MoEConfig's check, not silently switch MoE off.
+      off = moe.get("num_experts", 0)
+      off = isinstance(off, int) and not isinstance(off, bool) and off == 0
+      d["moe"] = None if off else _from_mapping(MoEConfig, moe,
+                                                 "ModelConfig.moe")
     return cls(**d)
 
   def to_dict(self) -> dict[str, Any]:

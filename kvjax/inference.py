@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -19,9 +20,11 @@ import numpy as np
 
 from kvjax import blocked
 from kvjax import cache as cache_lib
+from kvjax import errors
 from kvjax import model
 from kvjax.config import ModelConfig
 from kvjax.sampling import GREEDY, Sampler
+from kvjax.validate import check_int
 
 
 # ---- validation (host side, before compute) ---------------------------------
@@ -29,12 +32,28 @@ def _is_concrete(x) -> bool:
   return not isinstance(x, jax.core.Tracer)
 
 
+def as_array(x, name: str):
+  """x as an array: lists and tuples converted (`np.asarray`), arrays as
+  they are; anything else a ValueError naming `name`."""
+  if isinstance(x, (list, tuple)):
+    try:
+      return np.asarray(x)
+    except ValueError as e:  # ragged nesting
+      raise ValueError(f"{name} is a ragged list: {e}") from None
+  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+    raise ValueError(f"{name} must be an array, got {type(x).__name__}")
+  return x
+
+
 def check_tokens(tokens, config: ModelConfig, ndim: int = 2,
                  name: str = "tokens"):
-  """Raises ValueError unless tokens is an integer array of rank `ndim` with
-  ids in [0, vocab_size)."""
-  if not hasattr(tokens, "shape") or not hasattr(tokens, "dtype"):
-    raise ValueError(f"{name} must be an array, got {type(tokens).__name__}")
+  """Returns `tokens` as an array (lists converted); raises ValueError unless
+  it is an integer array of rank `ndim` with ids in [0, vocab_size).
+
+  Traced ids cannot be checked here: the step records out-of-range ids in
+  the cache's error state instead (`kvjax.errors`).
+  """
+  tokens = as_array(tokens, name)
   if tokens.ndim != ndim:
     raise ValueError(f"{name} must have rank {ndim} "
                      f"({'[B, T]' if ndim == 2 else '[B]'}), got shape "
@@ -50,13 +69,17 @@ def check_tokens(tokens, config: ModelConfig, ndim: int = 2,
     if lo < 0 or hi >= config.vocab_size:
       raise ValueError(f"{name} ids must be in [0, {config.vocab_size}), got "
                        f"min {lo}, max {hi}")
+  return tokens
 
 
 def check_mask(attention_mask, tokens):
   """Returns a bool [B, T] mask (all ones if None); raises ValueError unless
-  it matches tokens, is left-padded (0s then 1s), and every row has a token."""
+  it matches tokens, is left-padded (0s then 1s), and every row has a token.
+  Lists are converted. A traced mask is checked in the step instead
+  (BAD_MASK in the cache's error state, `kvjax.errors`)."""
   if attention_mask is None:
     return jnp.ones(tokens.shape, bool)
+  attention_mask = as_array(attention_mask, "attention_mask")
   if tuple(attention_mask.shape) != tuple(tokens.shape):
     raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != "
                      f"tokens shape {tuple(tokens.shape)}")
@@ -146,12 +169,14 @@ def _pin(shardings, logits, cache):
 
 
 @functools.partial(jax.jit,
-                   static_argnames=("config", "all_logits", "shardings"),
+                   static_argnames=("config", "all_logits", "shardings",
+                                    "first_chunk"),
                    donate_argnames=("cache",))
 def _prefill(params, config, tokens, mask, cache, all_logits,
-             shardings=None):
+             shardings=None, first_chunk=False):
   return _pin(shardings, *model.prefill_logits(params, config, tokens, mask,
-                                               cache, all_logits))
+                                               cache, all_logits,
+                                               first_chunk))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "all_logits"),
@@ -190,7 +215,7 @@ def forward(params, config: ModelConfig, tokens, attention_mask=None):
     logits [B, T, V] float32 (rows of padding are finite and meaningless).
   """
   model.check_params(params, config)
-  check_tokens(tokens, config)
+  tokens = check_tokens(tokens, config)
   mask = check_mask(attention_mask, tokens)
   return _forward(params, config, jnp.asarray(tokens, jnp.int32), mask)
 
@@ -212,8 +237,9 @@ def prefill(params, config: ModelConfig, tokens, cache, attention_mask=None,
     (logits [B, V] at the last position, or [B, T, V]; new_cache)
   """
   model.check_params(params, config)
-  check_tokens(tokens, config)
+  tokens = check_tokens(tokens, config)
   _check_cache(cache, config, tokens.shape[0])
+  errors.raise_if_set(cache, "prefill: the cache passed in")
   mask = check_mask(attention_mask, tokens)
   lengths = _real_lengths(mask)
   n_max = int(lengths.max()) if lengths is not None else tokens.shape[1]
@@ -224,6 +250,7 @@ def prefill(params, config: ModelConfig, tokens, cache, attention_mask=None,
                                            tokens, mask)
   logits, cache = _prefill(params, config, tokens, mask, cache, all_logits,
                            shardings)
+  errors.raise_if_set(cache, "prefill")
   return (logits if all_logits else logits[:, 0]), cache
 
 
@@ -238,8 +265,9 @@ def extend(params, config: ModelConfig, tokens, cache, attention_mask=None,
     (logits [B, V] or [B, T, V], new_cache)
   """
   model.check_params(params, config)
-  check_tokens(tokens, config)
+  tokens = check_tokens(tokens, config)
   _check_cache(cache, config, tokens.shape[0])
+  errors.raise_if_set(cache, "extend: the cache passed in")
   policy = cache.policy
   if policy.eviction == "h2o" or policy.positions == "cache":
     raise ValueError(f"extend does not support eviction={policy.eviction!r} /"
@@ -248,6 +276,7 @@ def extend(params, config: ModelConfig, tokens, cache, attention_mask=None,
   _check_fits(cache, tokens.shape[1], fresh=False, what="extend")
   logits, cache = _extend(params, config, jnp.asarray(tokens, jnp.int32),
                           mask, cache, all_logits)
+  errors.raise_if_set(cache, "extend")
   return (logits if all_logits else logits[:, 0]), cache
 
 
@@ -264,7 +293,7 @@ def prefill_chunked(params, config: ModelConfig, tokens, cache,
       isinstance(chunk_size, bool) or chunk_size < 1):
     raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
   model.check_params(params, config)
-  check_tokens(tokens, config)
+  tokens = check_tokens(tokens, config)
   mask = check_mask(attention_mask, tokens)
   B, T = tokens.shape
   pad = (-T) % chunk_size
@@ -277,12 +306,15 @@ def prefill_chunked(params, config: ModelConfig, tokens, cache,
       raise ValueError("prefill_chunked with h2o or positions='cache' needs "
                        "the prompt to fit one chunk")
   _check_cache(cache, config, B)
+  errors.raise_if_set(cache, "prefill_chunked: the cache passed in")
   logits, cache = _prefill(params, config, tokens[:, :chunk_size],
-                           mask[:, :chunk_size], cache, False)
+                           mask[:, :chunk_size], cache, False,
+                           first_chunk=True)
   for start in range(chunk_size, T + pad, chunk_size):
     sl = slice(start, start + chunk_size)
     logits, cache = _extend(params, config, tokens[:, sl], mask[:, sl], cache,
                             False)
+  errors.raise_if_set(cache, "prefill_chunked")
   return logits[:, 0], cache
 
 
@@ -298,13 +330,16 @@ def decode_step(params, config: ModelConfig, token, cache, *,
     (logits [B, V] for the next token, new_cache)
   """
   model.check_params(params, config)
-  check_tokens(token, config, ndim=1, name="token")
+  token = check_tokens(token, config, ndim=1, name="token")
   _check_cache(cache, config, token.shape[0])
+  errors.raise_if_set(cache, "decode_step: the cache passed in")
   _check_fits(cache, 1, fresh=False, what="decode_step")
   token = jnp.asarray(token, jnp.int32)
   if shardings is not None:
     params, cache, (token,) = _place(shardings, config, params, cache, token)
-  return _decode(params, config, token, cache, shardings)
+  logits, cache = _decode(params, config, token, cache, shardings)
+  errors.raise_if_set(cache, "decode_step")
+  return logits, cache
 
 
 def default_capacity(prompt_len: int, max_new_tokens: int) -> int:
@@ -358,15 +393,24 @@ def attention_schedule(prompt_len: int, decode_steps: int, capacity: int,
 
 
 def _generation_inputs(params, config, tokens, max_new_tokens, attention_mask,
-                       bucket):
+                       bucket, policy=None):
   """Shared validation of `generate` / `generate_no_cache`; returns the
-  (optionally bucket-padded) int32 tokens and bool mask, [B, T]."""
+  (optionally bucket-padded) int32 tokens and bool mask, [B, T].
+
+  The stream may not outgrow `config.max_seq_len` unless the cache rotates
+  keys by their rank in the cache (positions='cache', which stays below
+  the capacity)."""
   model.check_params(params, config)
-  check_tokens(tokens, config)
-  if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-    raise ValueError(f"max_new_tokens must be an int >= 1, got "
-                     f"{max_new_tokens!r}")
+  tokens = check_tokens(tokens, config)
+  max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
   mask = check_mask(attention_mask, tokens)
+  n_max = int(np.asarray(mask).sum(axis=1).max())
+  rank_positions = policy is not None and policy.positions == "cache"
+  if not rank_positions and n_max + max_new_tokens > config.max_seq_len:
+    raise ValueError(
+        f"max_new_tokens={max_new_tokens}: a {n_max}-token prompt plus "
+        f"{max_new_tokens} new tokens exceeds config.max_seq_len="
+        f"{config.max_seq_len}")
   tokens = jnp.asarray(tokens, jnp.int32)
   if bucket:
     pad = bucket_length(tokens.shape[1]) - tokens.shape[1]
@@ -518,19 +562,48 @@ def _platform(params) -> str:
   return jax.default_backend()
 
 
+def memory_limit() -> int:
+  """Bytes the default device can hold: its allocator's limit where it
+  reports one (GPU, TPU), else the host's physical memory (CPU)."""
+  stats = jax.devices()[0].memory_stats() or {}
+  if stats.get("bytes_limit"):
+    return int(stats["bytes_limit"])
+  return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _check_memory(config, policy, batch: int, capacity: int,
+                  devices: int = 1) -> None:
+  """Refuses, before allocating, a cache larger than the devices hold."""
+  need = cache_lib.kv_bytes_per_token(
+      config, policy.kv_dtype,
+      key_group=policy.key_group if policy.channel_keys else 0
+  ) * batch * capacity
+  have = memory_limit() * devices
+  if need > have:
+    raise ValueError(
+        f"a cache of {batch} x {capacity} slots needs {need:,.0f} bytes; "
+        f"the device holds {have:,} bytes: lower max_new_tokens, capacity "
+        "or the batch, or choose an evicting policy")
+
+
 def _generate_args(params, config, tokens, max_new_tokens, attention_mask,
                    sampler, rng, capacity, policy, stop_tokens, pad_id,
                    return_logits, bucket, shardings, attend_buckets,
                    decode_layout="auto"):
   """Validates a `generate` call; returns the arguments of `_generate`."""
+  policy = policy or cache_lib.CachePolicy()
   tokens, mask = _generation_inputs(params, config, tokens, max_new_tokens,
-                                    attention_mask, bucket)
+                                    attention_mask, bucket, policy)
   B, T = tokens.shape
   n_max = int(np.asarray(mask).sum(axis=1).max())
-  policy = policy or cache_lib.CachePolicy()
+  for t in stop_tokens:
+    check_int("stop_tokens (token ids)", t, 0, config.vocab_size - 1)
+  check_int("pad_id (a token id)", pad_id, 0, config.vocab_size - 1)
   if capacity is None:
     capacity = policy.round_capacity(
         default_capacity(tokens.shape[1], max_new_tokens))
+  _check_memory(config, policy, B, capacity,
+                devices=1 if shardings is None else jax.device_count())
   schedule = None
   if (attend_buckets and policy.eviction == "none" and
       policy.positions == "original" and not stop_tokens and
@@ -618,6 +691,8 @@ def generate(params, config: ModelConfig, tokens, max_new_tokens: int, *,
                         stop_tokens, pad_id, return_logits, bucket, shardings,
                         attend_buckets, decode_layout)
   toks, logits, cache = _generate(*args)
+  # One host sync for the whole loop: any step's error is sticky.
+  errors.raise_if_set(cache, "generate")
   if return_logits or return_cache:
     return toks, logits, (cache if return_cache else None)
   return toks
@@ -705,6 +780,13 @@ def generate_no_cache(params, config: ModelConfig, tokens,
     logits.append(lg)
     done += steps
   toks = jnp.concatenate(toks, axis=1)
+  # No cache to carry the error: a row sampled from non-finite logits is
+  # marked by the sampler's INVALID_TOKEN.
+  bad = np.flatnonzero(np.any(np.asarray(toks) == errors.INVALID_TOKEN,
+                              axis=1))
+  if bad.size:
+    raise ValueError(f"generate_no_cache: {errors.NAMES[errors.NONFINITE]} "
+                     f"in sequences {bad.tolist()}")
   if return_logits:
     return toks, jnp.concatenate(logits, axis=1), None
   return toks

@@ -14,11 +14,21 @@ import numpy as np
 from kvjax.config import ModelConfig, RopeScaling
 
 
-def rms_norm(x, scale, eps: float):
-  """RMSNorm in float32, cast back to x's dtype. x [..., D], scale [D]."""
+def rms_norm(x, scale, eps: float, invalid_B=None):
+  """RMSNorm in float32, cast back to x's dtype. x [B, ..., D], scale [D].
+
+  invalid_B: [B] bool or None; True rows come out NaN (`kvjax.errors`).
+  """
   x32 = x.astype(jnp.float32)
   var = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
-  y = x32 * jax.lax.rsqrt(var + eps)
+  # A mean square that overflows float32 (|x| past ~1e19) would make rsqrt
+  # 0 and the row finite zeros: garbage that looks valid. NaN instead, so
+  # the step records non-finite logits (kvjax.errors). One select per row.
+  ok = var < jnp.inf
+  if invalid_B is not None:
+    ok &= ~invalid_B.reshape((-1,) + (1,) * (x.ndim - 1))
+  inv = jnp.where(ok, jax.lax.rsqrt(var + eps), jnp.nan)
+  y = x32 * inv
   scale = scale.astype(jnp.float32).reshape((1,) * (x.ndim - 1) + (-1,))
   return (y * scale).astype(x.dtype)
 

@@ -23,12 +23,14 @@ after the other over the same cache.
 from __future__ import annotations
 
 import functools
+from typing import Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from kvjax import cache as cache_lib
+from kvjax import errors
 from kvjax import packed as packed_lib
 from kvjax.attention import Step, gqa_attention
 from kvjax.config import ModelConfig
@@ -157,14 +159,31 @@ def _shape_fields(config: ModelConfig) -> str:
 
 def check_params(params, config: ModelConfig) -> None:
   """Raises ValueError unless `params` has exactly the leaves and shapes that
-  `init_params(config, ...)` would build (dtypes are not checked: the block
-  casts to the compute dtype).
+  `init_params(config, ...)` would build, every leaf floating point (any
+  float dtype: the block casts to the compute dtype).
 
   Catches params built for another config, e.g. an MLA nope/rope/v split or a
   q_lora_rank that does not match the projections, before any compute. Shapes
   only, so it also accepts tracers and `jax.ShapeDtypeStruct`s. Packed params
   (`kvjax.packed.pack`) are checked against the packed shapes.
+
+  Raises:
+    ValueError: params is not a mapping (e.g. None); a leaf is not floating
+      point (integer weights are never a model kvjax can run: the embedding
+      lookup and LM head would compute in integers); a leaf is missing,
+      unexpected or misshapen. Each names the leaf path.
   """
+  if not isinstance(params, Mapping):
+    raise ValueError(f"params must be a dict of arrays, got "
+                     f"{type(params).__name__}")
+  not_float = []
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    dtype = leaf.dtype if hasattr(leaf, "dtype") else np.result_type(leaf)
+    if not jnp.issubdtype(dtype, jnp.floating):
+      not_float.append(f"{jax.tree_util.keystr(path)} ({dtype})")
+  if not_float:
+    raise ValueError("params must be floating point; these leaves are not: "
+                     + ", ".join(not_float))
   packed = packed_lib.is_packed(params)
   expected = _expected_param_shapes(config, packed)
   leaves, _ = jax.tree_util.tree_flatten_with_path(
@@ -284,10 +303,11 @@ def embed(params, tokens_BT, config: ModelConfig):
   return params["embed"][tokens_BT].astype(config.dtype)
 
 
-def unembed(params, x_BTD, config: ModelConfig):
-  """Final norm and LM head; float32 logits [B, T, V]."""
+def unembed(params, x_BTD, config: ModelConfig, invalid_B=None):
+  """Final norm and LM head; float32 logits [B, T, V] (NaN rows where
+  `invalid_B` [B] is True: `kvjax.errors`)."""
   x_BTD = rms_norm(x_BTD, params["final_norm"].astype(config.dtype),
-                   config.rms_norm_eps)
+                   config.rms_norm_eps, invalid_B=invalid_B)
   if packed_lib.is_packed(params):  # [V, D]: the tied embed or lm_head_t
     w_VD = params.get("lm_head_t", params["embed"]).astype(config.dtype)
     return linear_t(x_BTD, w_VD, preferred_element_type=jnp.float32)
@@ -441,6 +461,31 @@ def decode_step_info(config: ModelConfig, cache, attend: int = 0,
 
 
 # ---- the four calls ---------------------------------------------------------
+def _checked_logits(params, x_BTD, cache, config):
+  """Logits of the rows of a step whose cache carries no error, NaN for the
+  others; non-finite logits recorded (`kvjax.errors`)."""
+  logits = unembed(params, x_BTD, config,
+                   invalid_B=errors.poisoned_rows(cache))
+  return logits, errors.flag_nonfinite(logits, cache)
+
+
+def _input_errors(config, tokens_BT, attention_mask_BT, cache, total_B,
+                  prompt: bool, allow_empty: bool):
+  """[B] error bits of a prefill / extend chunk (`kvjax.errors`): ids out of
+  range, a mask that is not left padding (or, unless `allow_empty`, has no
+  token), more tokens than the cache holds (eviction 'none'; for a prompt
+  also h2o and cache-position mode, whose prefill needs the whole prompt in
+  the cache)."""
+  bits = (errors.token_errors(tokens_BT, config.vocab_size,
+                              attention_mask_BT) |
+          errors.mask_errors(attention_mask_BT, allow_empty) |
+          errors.overflow_errors(cache.policy, cache.capacity, total_B))
+  policy = cache.policy
+  if prompt and (policy.positions == "cache" or policy.eviction == "h2o"):
+    bits |= jnp.where(total_B > cache.capacity, errors.OVERFLOW, 0)
+  return bits
+
+
 def forward_logits(params, config: ModelConfig, tokens_BT, attention_mask_BT):
   """No-cache causal forward. Returns logits [B, T, V] (float32)."""
   step = forward_step(config, attention_mask_BT)
@@ -450,8 +495,12 @@ def forward_logits(params, config: ModelConfig, tokens_BT, attention_mask_BT):
 
 
 def prefill_logits(params, config, tokens_BT, attention_mask_BT, cache,
-                   all_logits: bool):
-  """Prefill into a fresh cache. Returns (logits, new_cache)."""
+                   all_logits: bool, first_chunk: bool = False):
+  """Prefill into a fresh cache. Returns (logits, new_cache).
+
+  first_chunk: the tokens are the first chunk of a longer left-padded
+  prompt (`prefill_chunked`), so a row may hold padding only.
+  """
   step = prefill_step(config, attention_mask_BT, cache)
   if cache.scores is not None:
     cache = cache.replace(scores=jnp.zeros_like(cache.scores))
@@ -460,12 +509,15 @@ def prefill_logits(params, config, tokens_BT, attention_mask_BT, cache,
   empty = jnp.full_like(cache.positions, cache_lib.EMPTY)
   cache = cache.replace(positions=empty)
   # Prefill scores were accumulated by the layers: keep them.
-  cache = commit_positions(cache, step.q_pos, step.slots,
-                           jnp.sum(attention_mask_BT, axis=1),
+  total_B = jnp.sum(attention_mask_BT, axis=1)
+  cache = commit_positions(cache, step.q_pos, step.slots, total_B,
                            reset_scores=False)
+  cache = errors.record(cache, _input_errors(
+      config, tokens_BT, attention_mask_BT, cache, total_B, prompt=True,
+      allow_empty=first_chunk))
   if not all_logits:
     x_BTD = x_BTD[:, -1:]
-  return unembed(params, x_BTD, config), cache
+  return _checked_logits(params, x_BTD, cache, config)
 
 
 def extend_logits(params, config, tokens_BT, attention_mask_BT, cache,
@@ -474,18 +526,26 @@ def extend_logits(params, config, tokens_BT, attention_mask_BT, cache,
   step = extend_step(config, attention_mask_BT, cache)
   x_BTD, cache = run_layers(params, embed(params, tokens_BT, config), step,
                             cache, config)
-  cache = commit_positions(cache, step.q_pos, step.slots,
-                           cache.length + jnp.sum(attention_mask_BT, axis=1))
+  total_B = cache.length + jnp.sum(attention_mask_BT, axis=1)
+  cache = commit_positions(cache, step.q_pos, step.slots, total_B)
+  cache = errors.record(cache, _input_errors(
+      config, tokens_BT, attention_mask_BT, cache, total_B, prompt=False,
+      allow_empty=True))
   if not all_logits:
     x_BTD = x_BTD[:, -1:]
-  return unembed(params, x_BTD, config), cache
+  return _checked_logits(params, x_BTD, cache, config)
 
 
 def decode_logits(params, config, token_B, cache, attend: int = 0,
                   rope=None):
   """One token per sequence. Returns (logits [B, V], new_cache).
   attend, rope: see `decode_step_info`."""
+  bits_B = (errors.token_errors(token_B, config.vocab_size) |
+            errors.overflow_errors(cache.policy, cache.capacity,
+                                   cache.length + 1))
   step, cache = decode_step_info(config, cache, attend, rope)
   x_BTD, cache = run_layers(params, embed(params, token_B[:, None], config),
                             step, cache, config)
-  return unembed(params, x_BTD, config)[:, 0], cache
+  logits_B1V, cache = _checked_logits(params, x_BTD,
+                                      errors.record(cache, bits_B), config)
+  return logits_B1V[:, 0], cache

@@ -13,6 +13,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from kvjax import errors
+from kvjax.validate import check_float, check_int
+
 
 def argmax(x_BV):
   """jnp.argmax(x, axis=-1) as int32: the first index of the maximum, the
@@ -23,11 +26,17 @@ def argmax(x_BV):
   172 vs 46 us at batch 1, 655 vs 200 us at batch 8; 0.14-0.57 ms of every
   decode step; WORKSPACE.md).
   """
+  return _argmax_and_max(x_BV)[0]
+
+
+def _argmax_and_max(x_BV):
+  """(argmax [B] int32, max [B]); the max is NaN if the row has a NaN."""
   V = x_BV.shape[-1]
   m_B1 = jnp.max(x_BV, axis=-1, keepdims=True)  # NaN if any NaN
   hit_BV = (x_BV == m_B1) | jnp.isnan(x_BV)
   ids_V = jnp.arange(V, dtype=jnp.int32)
-  return jnp.min(jnp.where(hit_BV, ids_V, V), axis=-1).astype(jnp.int32)
+  ids_B = jnp.min(jnp.where(hit_BV, ids_V, V), axis=-1).astype(jnp.int32)
+  return ids_B, m_B1[:, 0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,13 +46,21 @@ class Sampler:
   top_p: float = 1.0  # 1 means no nucleus filter
 
   def __post_init__(self):
-    if self.temperature < 0:
-      raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-    if self.top_k is not None and self.top_k < 1:
-      raise ValueError(f"top_k must be >= 1 (or None for off), got "
-                       f"{self.top_k}")
-    if not 0.0 < self.top_p <= 1.0:
-      raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+    """Validates the settings (a Sampler is static: errors surface here,
+    not as NaN logits inside a jitted loop).
+
+    Raises:
+      ValueError naming the field: temperature not a finite float >= 0
+      (NaN included: `nan < 0` is False); top_k neither None nor an int >= 1
+      (bool and float refused); top_p not a finite float in (0, 1].
+    """
+    object.__setattr__(self, "temperature", check_float(
+        "Sampler.temperature", self.temperature, 0))
+    if self.top_k is not None:
+      object.__setattr__(self, "top_k", check_int(
+          "Sampler.top_k (None for off)", self.top_k, 1))
+    object.__setattr__(self, "top_p", check_float(
+        "Sampler.top_p", self.top_p, 0, strict=True, maximum=1))
 
   @property
   def greedy(self) -> bool:
@@ -71,14 +88,27 @@ class Sampler:
     return logits_BV
 
   def __call__(self, logits_BV, key):
-    """Next tokens [B] (int32) from logits [B, V]."""
+    """Next tokens [B] (int32) from logits [B, V].
+
+    A row whose logits hold a NaN or +inf has no meaningful token: it gets
+    `kvjax.errors.INVALID_TOKEN` (-1), never a plausible id such as 0 (the
+    maximum the argmax computes anyway is then not finite: no extra pass).
+    Fed back to a step it is recorded as an out-of-range id, and the step
+    that produced the logits has already recorded NONFINITE in its cache
+    (-inf included).
+    """
     if self.greedy:
-      return argmax(logits_BV)
-    # Gumbel-max, as jax.random.categorical does it (same draws), with the
-    # faster argmax.
-    logits_BV = self.filter_logits(logits_BV)
-    gumbel_BV = jax.random.gumbel(key, logits_BV.shape, logits_BV.dtype)
-    return argmax(logits_BV + gumbel_BV)
+      ids_B, max_B = _argmax_and_max(logits_BV)
+    else:
+      # Gumbel-max, as jax.random.categorical does it (same draws), with
+      # the faster argmax. NaN and +inf survive the filter and the noise.
+      filtered_BV = self.filter_logits(logits_BV)
+      gumbel_BV = jax.random.gumbel(key, filtered_BV.shape, filtered_BV.dtype)
+      ids_B, max_B = _argmax_and_max(filtered_BV + gumbel_BV)
+    if not errors.enabled():
+      return ids_B
+    return jnp.where(jnp.isfinite(max_B), ids_B,
+                     jnp.int32(errors.INVALID_TOKEN))
 
 
 GREEDY = Sampler()

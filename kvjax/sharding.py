@@ -154,7 +154,7 @@ def cache_axes(cache) -> Any:
   else:
     raise ValueError(f"not a kvjax cache: {type(cache).__name__}")
   fields.update(positions=("batch", "cache_seq"), length=("batch",),
-                scores=("batch", "cache_seq"))
+                scores=("batch", "cache_seq"), errors=("batch",))
   return cache.replace(**{name: (axes if getattr(cache, name) is not None
                                  else None)
                           for name, axes in fields.items()})

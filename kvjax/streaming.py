@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import cache as cache_lib
+from kvjax import errors
 from kvjax import inference
 from kvjax import model
 from kvjax.config import ModelConfig
@@ -86,6 +87,7 @@ def _check_stream(params, config, tokens_BN, cache, what):
   model.check_params(params, config)
   inference.check_tokens(tokens_BN, config, name=what)
   inference._check_cache(cache, config, tokens_BN.shape[0])  # pylint: disable=protected-access
+  errors.raise_if_set(cache, "the cache passed in")
 
 
 def decode_tokens(params, config: ModelConfig, tokens_BT, cache):
@@ -105,6 +107,7 @@ def decode_tokens(params, config: ModelConfig, tokens_BT, cache):
                         what="decode_tokens")
   _, logits, cache = _decode_scan(params, config, tokens_BT, tokens_BT, cache,
                                   True)
+  errors.raise_if_set(cache, "decode_tokens")
   return logits, cache
 
 
@@ -152,6 +155,7 @@ def stream_nll(params, config: ModelConfig, tokens, cache, *,
                                  tokens_BN[:, start + 1:stop + 1], cache,
                                  False)
     out.append(np.asarray(nll))
+    errors.raise_if_set(cache, f"stream_nll, tokens {start}-{stop}")
     if log_every and stop - logged >= log_every:
       logged = stop
       logging.info("stream_nll %s: %d/%d tokens, mean nll %.4f",
@@ -195,6 +199,7 @@ def extend_nll(params, config: ModelConfig, tokens, cache, *,
     nll, cache = _extend_nll(params, config, tokens_BN[:, start:stop],
                              tokens_BN[:, start + 1:stop + 1], cache)
     out.append(np.asarray(nll))
+    errors.raise_if_set(cache, f"extend_nll, tokens {start}-{stop}")
     if log_every and stop - logged >= log_every:
       logged = stop
       logging.info("extend_nll %s: %d/%d tokens", policy.eviction, stop, n)
@@ -595,6 +600,7 @@ def memory_trace(params, config: ModelConfig, tokens, cache, *,
   for start, stop in _chunks(n, every):
     seg = tokens_BN[:, start:stop]
     _, _, cache = _decode_scan(params, config, seg, seg, cache, False)
+    errors.raise_if_set(cache, f"memory_trace, tokens {start}-{stop}")
     trace.append(record(stop, cache))
   return trace, cache
 

@@ -293,11 +293,12 @@ class CompiledMemoryTest(absltest.TestCase):
     kv_bytes = cache.k.nbytes + cache.v.nbytes
     # Arguments: params and cache (prompt, mask, key: bytes; the fresh
     # cache's positions are overwritten, so XLA may drop them); the donated
-    # K/V payload is written in place (aliased to the returned cache).
+    # K/V payload and the error bits are written in place (aliased to the
+    # returned cache).
     self.assertGreaterEqual(got["arguments"], p_bytes + kv_bytes)
     self.assertLess(got["arguments"],
                     p_bytes + bm.tree_bytes(cache) + 4096)
-    self.assertEqual(got["aliased"], kv_bytes)
+    self.assertEqual(got["aliased"], kv_bytes + cache.errors.nbytes)
     self.assertGreaterEqual(got["peak"], got["arguments"])
 
   def test_lower_generate_refuses_unknown_arguments(self):

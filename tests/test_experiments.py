@@ -81,7 +81,8 @@ class PeerBenchmarkTest(absltest.TestCase):
                 row["hf_decode_tokens_per_s_rounds"])
       # Ratios of the float64 rates that were stored: exact but for the
       # division's rounding.
-      assert_close(rounds, np.divide(kv, hf), compute="float64", depth=1)
+      assert_close(np.asarray(rounds), np.divide(kv, hf), compute="float64",
+                   depth=1)
       sp = row["decode_ratio_packed_spread"]
       self.assertEqual(sp["min"], min(rounds))
       self.assertEqual(sp["max"], max(rounds))

@@ -254,12 +254,14 @@ class LatentCacheTest(parameterized.TestCase):
                              all_logits=True)
     self.assertIsInstance(cache, kvjax.LatentCache)
     leaves = {k: v for k, v in vars(cache).items() if isinstance(v, jax.Array)}
-    self.assertEqual(set(leaves), {"c_kv", "k_rope", "positions", "length"})
+    self.assertEqual(set(leaves),
+                     {"c_kv", "k_rope", "positions", "length", "errors"})
     chex.assert_shape(cache.c_kv, (L, B, S, C))
     chex.assert_shape(cache.k_rope, (L, B, S, R))
-    # Nothing else is stored: all bytes = latents + slot bookkeeping.
+    # Nothing else is stored: all bytes = latents + slot bookkeeping
+    # (positions, lengths, error bits).
     self.assertEqual(sum(x.nbytes for x in leaves.values()),
-                     L * B * S * (C + R) * 4 + B * S * 4 + B * 4)
+                     L * B * S * (C + R) * 4 + B * S * 4 + 2 * B * 4)
     # Layer 0's entries are the normed latent and the rotated shared key of
     # the (normed) embeddings; empty slots hold zeros.
     p = {k: np.asarray(v, np.float64) for k, v in layer0(params).items()}
