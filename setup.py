@@ -6,7 +6,7 @@ setuptools.setup(
     name="kvjax",
     version="0.1.0",
     description="Functional JAX/Flax LLM inference with explicit, measurable KV caches.",
-    packages=setuptools.find_packages(include=["kvjax", "kvjax.*"]),
+    packages=setuptools.find_packages(include=["kvjax", "kvjax.*", "configs"]),
     python_requires=">=3.10",
     install_requires=[
         "jax>=0.4.35",

@@ -69,8 +69,5 @@ def get_config(arg: str = "gqa-medium") -> ml_collections.ConfigDict:
       # temperature 0 is greedy; the shipped byte-level model reads better
       # sampled (greedy decoding of a 2 bits/byte model loops).
       batch=1, prompt_len=128, max_new_tokens=200, temperature=0.8, top_k=40,
-      top_p=0.95, seed=0,
-      # params layout (kvjax.packed.LAYOUTS): 'packed' decodes fastest,
-      # 'scan' compiles fastest.
-      layout="packed"))
+      top_p=0.95, seed=0))
   return cfg

@@ -11,7 +11,6 @@ with --update_workspace it also replaces the ablation section of
 WORKSPACE.md. Re-running resumes: finished runs are not retrained.
 """
 
-import importlib.util
 import os
 import shutil
 import sys
@@ -25,13 +24,10 @@ from ml_collections import config_flags
 from kvjax import ablation
 from kvjax import configs
 from kvjax import train
+from configs import train as train_presets
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.join(_HERE, "..")
-_spec = importlib.util.spec_from_file_location(
-    "train_presets", os.path.join(_ROOT, "configs", "train.py"))
-train_presets = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(train_presets)
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", os.path.join(_ROOT, "configs", "train.py:gqa"),

@@ -42,13 +42,12 @@ from ml_collections import config_flags
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "configs"))
 import kvjax  # pylint: disable=g-import-not-at-top
 from kvjax import benchmarking as bm  # pylint: disable=g-import-not-at-top
 from kvjax import configs as cfg_lib  # pylint: disable=g-import-not-at-top
 from kvjax import inference  # pylint: disable=g-import-not-at-top
 from kvjax import packed  # pylint: disable=g-import-not-at-top
-import model as model_presets  # pylint: disable=g-import-not-at-top
+from configs import model as model_presets  # pylint: disable=g-import-not-at-top
 
 MODES = ("memory", "positions", "variants", "roofline", "quant", "sweep",
          "ppl")

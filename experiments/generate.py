@@ -74,8 +74,7 @@ def main(argv):
                    policy=configs.cache_policy(cfg.cache),
                    capacity=cfg.cache.capacity,
                    sampler=configs.sampler(cfg.generate),
-                   seed=cfg.generate.seed, verify_steps=_VERIFY_STEPS.value,
-                   layout=cfg.generate.layout)
+                   seed=cfg.generate.seed, verify_steps=_VERIFY_STEPS.value)
   print(job.format_report(report))
   if _WORKDIR.value:
     os.makedirs(_WORKDIR.value, exist_ok=True)

@@ -25,6 +25,7 @@ import numpy as np
 import kvjax
 from kvjax import configs
 from kvjax import streaming
+from configs import model as presets
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.",
                                required=True)
@@ -42,11 +43,6 @@ _BATCH = flags.DEFINE_integer("batch", 1, "Sequences (B).")
 
 
 def _preset(variant: str, size: str) -> kvjax.ModelConfig:
-  import importlib.util  # pylint: disable=g-import-not-at-top
-  path = os.path.join(os.path.dirname(__file__), "..", "configs", "model.py")
-  spec = importlib.util.spec_from_file_location("model_presets", path)
-  presets = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(presets)
   return configs.model_config(presets.get_config(f"{variant}-{size}").model)
 
 

@@ -9,7 +9,10 @@ saves it as safetensors, loads the same weights into kvjax with
 greedy tokens, then times both alternately in one run (kvjax generate,
 kvjax prefill, transformers generate, transformers prefill, repeated; warm-up
 excluded; medians) at every batch, for every kvjax params layout in
---layouts (scan, unrolled, packed: kvjax.packed). Decode tokens/s =
+--layouts: 'loaded' (the params as `load_checkpoint` returns them: what a
+user gets, `generate` packs them itself where that is faster,
+`kvjax.packed.for_decode`), 'scan' (the canonical layer scan, kept as
+given), 'unrolled' and 'packed' (`kvjax.pack` called by hand). Decode tokens/s =
 B·(new − 1) / (t_generate − t_prefill), the same definition for both;
 prefill = a generate of one token. The headline ratio is the ratio of the
 medians; the ratios of the rounds (each round's kvjax and transformers
@@ -21,6 +24,7 @@ transformers and torch are optional (`pip install -e .[bench]`); without
 them the script exits with a message saying so.
 """
 
+import contextlib
 import json
 import os
 import sys
@@ -54,9 +58,10 @@ _BATCHES = flags.DEFINE_list("batches", ["1", "8"], "Batch sizes.")
 _PROMPT = flags.DEFINE_integer("prompt_len", 128, "Prompt tokens.")
 _NEW = flags.DEFINE_integer("new_tokens", 256, "Generated tokens.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed rounds (medians).")
+PEER_LAYOUTS = ("loaded",) + packed.LAYOUTS
 _LAYOUTS = flags.DEFINE_list(
-    "layouts", list(packed.LAYOUTS),
-    f"kvjax params layouts to time (of {', '.join(packed.LAYOUTS)}); fewer "
+    "layouts", ["loaded"],
+    f"kvjax params layouts to time (of {', '.join(PEER_LAYOUTS)}); fewer "
     "layouts leave time for more rounds.")
 _CHECK_TOKENS = flags.DEFINE_integer(
     "check_tokens", 32, "Greedy tokens compared between the two (batch 1).")
@@ -102,11 +107,11 @@ def hf_llama_config(transformers, config: kvjax.ModelConfig):
 
 def _check_flags():
   """Bad flag values stop the run before any model is built."""
-  bad = [x for x in _LAYOUTS.value if x not in packed.LAYOUTS]
+  bad = [x for x in _LAYOUTS.value if x not in PEER_LAYOUTS]
   if bad or not _LAYOUTS.value or len(set(_LAYOUTS.value)) != len(
       _LAYOUTS.value):
     raise ValueError(f"--layouts={','.join(_LAYOUTS.value)}: expected "
-                     f"distinct names of {packed.LAYOUTS}")
+                     f"distinct names of {PEER_LAYOUTS}")
   if _REPEATS.value < 1:
     raise ValueError(f"--repeats={_REPEATS.value}: must be >= 1")
   if _NEW.value < 2:
@@ -162,10 +167,18 @@ def main(argv):
   with tempfile.TemporaryDirectory() as tmp:
     hf_model.save_pretrained(tmp, safe_serialization=True)
     kv_config, params = kvjax.load_checkpoint(tmp)
-  # Every params layout (kvjax.packed.LAYOUTS), timed side by side.
-  layouts = {name: jax.block_until_ready(packed.layout(params, kv_config,
-                                                       name))
-             for name in _LAYOUTS.value}
+  # Every params layout asked for, timed side by side.
+  layouts = {name: params if name == "loaded" else jax.block_until_ready(
+      packed.layout(params, kv_config, name)) for name in _LAYOUTS.value}
+
+  def kv_generate(lay, *args, **kwargs):
+    """generate on layout `lay`'s params; 'scan' and 'unrolled' kept as
+    given (not packed inside generate)."""
+    keep = packed.as_given() if lay in ("scan", "unrolled") else (
+        contextlib.nullcontext())
+    with keep:
+      return kvjax.generate(layouts[lay], kv_config, *args, **kwargs)
+
   logging.info("preset %s: %.1fM params; torch %s (%d threads, "
                "OMP_WAIT_POLICY=%s), transformers %s, attn %s",
                _CONFIG.value.preset, kvjax.param_count(kv_config) / 1e6,
@@ -194,8 +207,8 @@ def main(argv):
   n_check = _CHECK_TOKENS.value
   hf_ids = hf_generate(torch.from_numpy(prompt), n_check).numpy()
   agree = {}
-  for lay, p in layouts.items():
-    kv_ids = np.asarray(kvjax.generate(p, kv_config, prompt, n_check))
+  for lay in layouts:
+    kv_ids = np.asarray(kv_generate(lay, prompt, n_check))
     agree[lay] = int(np.cumprod(hf_ids[0] == kv_ids[0]).sum())
   logging.info("prefill logits max |diff| %.2e; greedy tokens agree for "
                "%s of %d", logit_err, agree, n_check)
@@ -221,11 +234,11 @@ def main(argv):
     # The same cache size for generate and prefill: only the steps differ.
     cap = inference.default_capacity(inference.bucket_length(T), N)
     fns = {}
-    for lay, p in layouts.items():
+    for lay in layouts:
       fns[f"kvjax_{lay}_generate"] = (
-          lambda p=p: kvjax.generate(p, kv_config, ids_j, N, capacity=cap))
+          lambda lay=lay: kv_generate(lay, ids_j, N, capacity=cap))
       fns[f"kvjax_{lay}_prefill"] = (
-          lambda p=p: kvjax.generate(p, kv_config, ids_j, 1, capacity=cap))
+          lambda lay=lay: kv_generate(lay, ids_j, 1, capacity=cap))
     fns["hf_generate"] = lambda: (hf_generate(ids_t, N), None)[1]
     fns["hf_prefill"] = lambda: (hf_generate(ids_t, 1), None)[1]
     t = bm.time_alternating(fns, warmup=1, repeats=_REPEATS.value)

@@ -22,6 +22,7 @@ from kvjax import blocked
 from kvjax import cache as cache_lib
 from kvjax import errors
 from kvjax import model
+from kvjax import packed
 from kvjax.config import ModelConfig
 from kvjax.sampling import GREEDY, Sampler
 from kvjax.validate import check_int
@@ -237,6 +238,7 @@ def prefill(params, config: ModelConfig, tokens, cache, attention_mask=None,
     (logits [B, V] at the last position, or [B, T, V]; new_cache)
   """
   model.check_params(params, config)
+  params = packed.for_decode(params, config)
   tokens = check_tokens(tokens, config)
   _check_cache(cache, config, tokens.shape[0])
   errors.raise_if_set(cache, "prefill: the cache passed in")
@@ -265,6 +267,7 @@ def extend(params, config: ModelConfig, tokens, cache, attention_mask=None,
     (logits [B, V] or [B, T, V], new_cache)
   """
   model.check_params(params, config)
+  params = packed.for_decode(params, config)
   tokens = check_tokens(tokens, config)
   _check_cache(cache, config, tokens.shape[0])
   errors.raise_if_set(cache, "extend: the cache passed in")
@@ -293,6 +296,7 @@ def prefill_chunked(params, config: ModelConfig, tokens, cache,
       isinstance(chunk_size, bool) or chunk_size < 1):
     raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
   model.check_params(params, config)
+  params = packed.for_decode(params, config)
   tokens = check_tokens(tokens, config)
   mask = check_mask(attention_mask, tokens)
   B, T = tokens.shape
@@ -330,6 +334,7 @@ def decode_step(params, config: ModelConfig, token, cache, *,
     (logits [B, V] for the next token, new_cache)
   """
   model.check_params(params, config)
+  params = packed.for_decode(params, config)
   token = check_tokens(token, config, ndim=1, name="token")
   _check_cache(cache, config, token.shape[0])
   errors.raise_if_set(cache, "decode_step: the cache passed in")
@@ -594,6 +599,7 @@ def _generate_args(params, config, tokens, max_new_tokens, attention_mask,
   policy = policy or cache_lib.CachePolicy()
   tokens, mask = _generation_inputs(params, config, tokens, max_new_tokens,
                                     attention_mask, bucket, policy)
+  params = packed.for_decode(params, config)
   B, T = tokens.shape
   n_max = int(np.asarray(mask).sum(axis=1).max())
   for t in stop_tokens:

@@ -78,14 +78,13 @@ def prompt_tokens(loaded: LoadedModel, *, text: str, batch: int,
 def run(loaded: LoadedModel, tokens: np.ndarray, *, max_new_tokens: int,
         policy: cache_lib.CachePolicy, capacity: int = 0,
         sampler: Sampler = Sampler(), seed: int = 0, verify_steps: int = 0,
-        repeats: int = 3, shardings=None,
-        layout: str = "scan") -> dict[str, Any]:
+        repeats: int = 3, shardings=None) -> dict[str, Any]:
   """Generates, times and verifies. Returns a JSON-able report.
 
   `shardings` (a `kvjax.sharding.ShardingPlan`) runs prefill and generate
-  under its mesh; params are placed by it first. `layout`: the params
-  layout generation runs on (`kvjax.packed.LAYOUTS`; 'packed' decodes
-  fastest, 'scan' compiles fastest).
+  under its mesh; params are placed by it first. The params run as loaded:
+  the inference calls choose their decode layout (`packed.for_decode`), and
+  the report says which (`layout`).
 
   Timing: prefill alone and the whole `generate` (prefill + lax.scan decode)
   are each compiled once, then timed `repeats` times (median); decode
@@ -93,7 +92,8 @@ def run(loaded: LoadedModel, tokens: np.ndarray, *, max_new_tokens: int,
   token comes from the prefill logits.
   """
   cfg = loaded.config
-  params = packed.layout(loaded.params, cfg, layout)
+  params = packed.for_decode(loaded.params, cfg)
+  layout = "packed" if packed.is_packed(params) else "scan"
   if shardings is not None:
     params = shardings.put_params(params)
   B, T = tokens.shape

@@ -32,15 +32,19 @@ for the packed `W @ x`; at batch 8 the skinny GEMMs are 1.3x faster with
 the weight on the left. Medium decode: +15-20% tokens/s over the unrolled
 layout at batch 1 and 8 in the peer benchmark (WORKSPACE.md). Canonical
 MLA weights made XLA transpose W_UK and W_UV on every decode step; packed
-MLA decodes 16% (batch 1) / 11% (batch 8) faster. Small models
-(256-wide rows, ~2 ms steps) decode faster from the scan layout: which
-layout wins is a measured, per-size choice (`layout`).
-Packed params are for inference (`forward`, `prefill`, `decode_step`,
-`generate`, ...); training and checkpoints use the canonical layout.
+MLA decodes 16% (batch 1) / 11% (batch 8) faster. Which layout wins is
+measured per size (experiments/decode_layout.py), and the inference entry
+points choose it themselves: `for_decode` packs canonical params once (the
+default path is the fast path; no flag). Training and checkpoints use the
+canonical layout.
 """
 
 from __future__ import annotations
 
+import contextlib
+import weakref
+
+import jax
 import jax.numpy as jnp
 
 from kvjax.config import ModelConfig
@@ -148,3 +152,75 @@ def layout(params, config: ModelConfig, name: str):
   if name == "packed":
     return pack(params, config)
   return params
+
+
+# ---- the decode seam ---------------------------------------------------------
+# The narrowest model measured to decode faster packed (gqa-small, D 256:
+# 1.62x at batch 1, 1.33x at batch 8; gqa-medium 1.46x at batch 1; Intel
+# Xeon, experiments/decode_layout.py, WORKSPACE.md "Params layout").
+# Narrower models (the D 64 test presets) keep the layer scan: unmeasured,
+# and their tests then exercise both layouts.
+PACK_MIN_WIDTH = 256
+
+# Canonical params packed by `for_decode`, keyed by the ids of their leaves:
+# (weak references to those leaves, config, packed params). An entry dies
+# with any of its canonical arrays.
+_PACKED: dict[tuple[int, ...], tuple] = {}
+_AS_GIVEN = [False]
+
+
+@contextlib.contextmanager
+def as_given():
+  """Inside, `for_decode` returns params unchanged: for measuring the
+  canonical layout against the packed one (experiments/decode_layout.py);
+  nothing else should need it."""
+  _AS_GIVEN.append(True)
+  try:
+    yield
+  finally:
+    _AS_GIVEN.pop()
+
+
+def packs(params, config: ModelConfig) -> bool:
+  """Whether `for_decode` packs these params: canonical stacked layers,
+  concrete arrays (not tracers: packing inside a trace would transpose every
+  weight on every call), on CPU, where packing was measured (elsewhere the
+  layout is kept until a device run measures it), at embed_dim >=
+  PACK_MIN_WIDTH."""
+  if _AS_GIVEN[-1] or is_packed(params):
+    return False
+  if any(isinstance(params.get(n), (list, tuple)) for n in _layer_stacks(
+      params)):
+    return False  # unrolled layers: a layout chosen by hand
+  leaves = jax.tree_util.tree_leaves(params)
+  if any(isinstance(x, jax.core.Tracer) for x in leaves):
+    return False
+  leaf = leaves[0]
+  platform = (next(iter(leaf.devices())).platform
+              if isinstance(leaf, jax.Array) else jax.default_backend())
+  return platform == "cpu" and config.embed_dim >= PACK_MIN_WIDTH
+
+
+def for_decode(params, config: ModelConfig):
+  """The params every inference entry point runs on (`generate`, `prefill`,
+  `extend`, `decode_step`, the streaming drivers): `pack(params, config)`
+  where `packs` says it decodes faster, else `params` as given. Same
+  values either way (tests).
+
+  Packed once per params: the packed copy is kept while the canonical
+  arrays live (both are then in memory; call `kvjax.pack` yourself and
+  drop the canonical params to hold one copy).
+  """
+  if not packs(params, config):
+    return params
+  leaves = jax.tree_util.tree_leaves(params)
+  key = tuple(map(id, leaves))
+  hit = _PACKED.get(key)
+  if hit is not None:
+    refs, cfg, out = hit
+    if cfg == config and all(r() is x for r, x in zip(refs, leaves)):
+      return out
+  out = pack(params, config)
+  drop = lambda _, key=key: _PACKED.pop(key, None)
+  _PACKED[key] = (tuple(weakref.ref(x, drop) for x in leaves), config, out)
+  return out

@@ -40,6 +40,7 @@ from kvjax import cache as cache_lib
 from kvjax import errors
 from kvjax import inference
 from kvjax import model
+from kvjax import packed
 from kvjax.config import ModelConfig
 
 DENSE = "dense"
@@ -83,11 +84,13 @@ def _decode_scan(params, config, tokens_BT, targets_BT, cache, want_logits):
 
 def _check_stream(params, config, tokens_BN, cache, what):
   """Host-side validation before any compute (ValueError naming the
-  problem), as the public API does."""
+  problem), as the public API does. Returns the params to run
+  (`packed.for_decode`)."""
   model.check_params(params, config)
   inference.check_tokens(tokens_BN, config, name=what)
   inference._check_cache(cache, config, tokens_BN.shape[0])  # pylint: disable=protected-access
   errors.raise_if_set(cache, "the cache passed in")
+  return packed.for_decode(params, config)
 
 
 def decode_tokens(params, config: ModelConfig, tokens_BT, cache):
@@ -102,7 +105,7 @@ def decode_tokens(params, config: ModelConfig, tokens_BT, cache):
     (logits [B, T, V]: after token t, the prediction of token t+1; new cache)
   """
   tokens_BT = jnp.asarray(tokens_BT, jnp.int32)
-  _check_stream(params, config, tokens_BT, cache, "tokens")
+  params = _check_stream(params, config, tokens_BT, cache, "tokens")
   inference._check_fits(cache, tokens_BT.shape[1], fresh=False,  # pylint: disable=protected-access
                         what="decode_tokens")
   _, logits, cache = _decode_scan(params, config, tokens_BT, tokens_BT, cache,
@@ -117,18 +120,18 @@ def _chunks(n: int, chunk: int):
 
 
 def _stream_inputs(params, config, tokens, cache, chunk: int, what: str):
-  """Validates a scored stream before any compute; returns (int32 tokens
-  [B, N], n = N - 1 scored positions)."""
+  """Validates a scored stream before any compute; returns (the params to
+  run, int32 tokens [B, N], n = N - 1 scored positions)."""
   tokens_BN = _as_BN(tokens).astype(np.int32)
   if tokens_BN.shape[1] < 2:
     raise ValueError(f"tokens: a stream needs N >= 2 tokens, got "
                      f"{tokens_BN.shape[1]}")
   if chunk < 1:
     raise ValueError(f"chunk must be >= 1, got {chunk}")
-  _check_stream(params, config, tokens_BN, cache, "tokens")
+  params = _check_stream(params, config, tokens_BN, cache, "tokens")
   n = tokens_BN.shape[1] - 1
   inference._check_fits(cache, n, fresh=False, what=what)  # pylint: disable=protected-access
-  return tokens_BN, n
+  return params, tokens_BN, n
 
 
 def stream_nll(params, config: ModelConfig, tokens, cache, *,
@@ -147,8 +150,8 @@ def stream_nll(params, config: ModelConfig, tokens, cache, *,
      tokens[:, :t+1]), NaN where any logit of that step is not finite; the
      cache after the first N-1 tokens)
   """
-  tokens_BN, n = _stream_inputs(params, config, tokens, cache, chunk,
-                                "stream_nll")
+  params, tokens_BN, n = _stream_inputs(params, config, tokens, cache,
+                                        chunk, "stream_nll")
   out, logged = [], 0
   for start, stop in _chunks(n, chunk):
     nll, _, cache = _decode_scan(params, config, tokens_BN[:, start:stop],
@@ -192,8 +195,8 @@ def extend_nll(params, config: ModelConfig, tokens, cache, *,
         f"extend_nll needs eviction in none/window/sinks and positions="
         f"'original', got eviction={policy.eviction!r}, positions="
         f"{policy.positions!r}; use stream_nll")
-  tokens_BN, n = _stream_inputs(params, config, tokens, cache, chunk,
-                                "extend_nll")
+  params, tokens_BN, n = _stream_inputs(params, config, tokens, cache,
+                                        chunk, "extend_nll")
   out, logged = [], 0
   for start, stop in _chunks(n, chunk):
     nll, cache = _extend_nll(params, config, tokens_BN[:, start:stop],
@@ -595,7 +598,7 @@ def memory_trace(params, config: ModelConfig, tokens, cache, *,
 
   trace = [record(0, cache)]
   n = tokens_BN.shape[1]
-  _check_stream(params, config, tokens_BN, cache, "tokens")
+  params = _check_stream(params, config, tokens_BN, cache, "tokens")
   inference._check_fits(cache, n, fresh=False, what="memory_trace")  # pylint: disable=protected-access
   for start, stop in _chunks(n, every):
     seg = tokens_BN[:, start:stop]
@@ -634,7 +637,7 @@ def attention_matrix(params, config: ModelConfig, tokens):
   b, t = tokens_BT.shape
   cache = cache_lib.init_cache(config, b, t, policy=cache_lib.CachePolicy(
       "h2o", recent=1))
-  _check_stream(params, config, tokens_BT, cache, "tokens")
+  params = _check_stream(params, config, tokens_BT, cache, "tokens")
   received = np.asarray(_received_scan(params, config, tokens_BT, cache))
   return received.mean(axis=1) / (config.num_layers * config.num_heads)
 

@@ -14,9 +14,6 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 # Parity checks compare float32 logits: no TF32/bf16-rounded matmuls.
 jax.config.update("jax_default_matmul_precision", "highest")
 
-# `configs/` holds config files, not a package: make them importable.
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "configs"))
-
 # absltest helpers (create_tempdir, ...) read absl flags; pytest never
 # parses them.
 from absl import flags  # pylint: disable=g-import-not-at-top,wrong-import-position

@@ -54,13 +54,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "configs"))
 import kvjax
 from kvjax import inference
 from kvjax import model as kvjax_model
 from kvjax import packed as kvjax_packed
 from kvjax import sharding
-import model as model_presets  # configs/model.py
+from configs import model as model_presets
 
 _MODE = flags.DEFINE_enum("mode", "check", ["check", "measure", "multihost"],
                           "what to run")

@@ -10,7 +10,7 @@ from kvjax import ablation
 from kvjax import cache as cache_lib
 from kvjax import train
 from kvjax.config import ModelConfig
-import train as train_presets  # configs/train.py (see conftest.py)
+from configs import train as train_presets
 
 
 def _configs():

@@ -19,7 +19,7 @@ from kvjax import benchmarking as bm
 from kvjax import inference
 from kvjax import model
 from kvjax.tolerance import assert_close
-import model as model_presets  # configs/model.py (see conftest.py)
+from configs import model as model_presets
 
 VARIANTS = model_presets.VARIANTS
 

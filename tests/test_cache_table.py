@@ -20,7 +20,7 @@ from absl.testing import parameterized
 import kvjax
 from kvjax import configs as cfg_lib
 from kvjax import published
-import model as model_presets  # configs/model.py (see conftest.py)
+from configs import model as model_presets
 
 REPO = os.path.join(os.path.dirname(__file__), "..")
 PRESETS = {p: cfg_lib.model_config(model_presets.get_config(p).model)

@@ -18,7 +18,7 @@ import numpy as np
 import kvjax
 from kvjax import inference
 from kvjax.tolerance import assert_close
-import model as model_presets  # configs/model.py (see conftest.py)
+from configs import model as model_presets
 
 VARIANTS = model_presets.VARIANTS
 # The first variant of each attention kind: one KVCache, one LatentCache.

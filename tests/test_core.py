@@ -18,7 +18,7 @@ from kvjax import configs as cfg_lib
 from kvjax import inference
 from kvjax import model
 from kvjax.tolerance import assert_close
-import model as model_presets  # configs/model.py (see conftest.py)
+from configs import model as model_presets
 
 VARIANTS = model_presets.VARIANTS
 

@@ -37,8 +37,7 @@ from kvjax.attention import Step
 from kvjax.layers import rope_tables
 from kvjax.tolerance import assert_close
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "configs"))
-import model as presets  # pylint: disable=g-import-not-at-top,wrong-import-position
+from configs import model as presets  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 

@@ -19,7 +19,7 @@ import numpy as np
 
 import kvjax
 from kvjax.tolerance import assert_close, tolerance
-import model as model_presets  # configs/model.py (see conftest.py)
+from configs import model as model_presets
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "experiments", "*.py")))

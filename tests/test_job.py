@@ -41,22 +41,24 @@ class JobTest(absltest.TestCase):
     self.assertGreater(r["decode_tokens_per_s"], 0)
     self.assertIn("EQUAL", job.format_report(r))
 
-  def test_layouts_generate_the_same_tokens(self):
-    config = ModelConfig(vocab_size=64, num_layers=2, embed_dim=32,
-                         num_heads=4, num_kv_heads=2, mlp_dim=64,
-                         init_scale=0.15)
-    loaded = job.load_model(config=config, seed=0)
-    tokens = job.prompt_tokens(loaded, text="", batch=2, prompt_len=6,
+  def test_params_run_as_loaded_in_their_decode_layout(self):
+    # The shipped model (D 256) decodes packed without being asked; a
+    # narrower model keeps the layer scan (`packed.PACK_MIN_WIDTH`).
+    shipped = job.load_model(trained=job.SHIPPED_MODEL)
+    tokens = job.prompt_tokens(shipped, text="It is", batch=1, prompt_len=0,
                                seed=0)
-    reports = {layout: job.run(loaded, tokens, max_new_tokens=6,
-                               policy=kvjax.CachePolicy(), repeats=1,
-                               sampler=kvjax.GREEDY, layout=layout)
-               for layout in ("scan", "packed")}
-    self.assertEqual(reports["packed"]["ids"], reports["scan"]["ids"])
-    self.assertIn("packed params", job.format_report(reports["packed"]))
-    with self.assertRaisesRegex(ValueError, "layout='stacked'"):
-      job.run(loaded, tokens, max_new_tokens=2, policy=kvjax.CachePolicy(),
-              layout="stacked")
+    r = job.run(shipped, tokens, max_new_tokens=4, policy=kvjax.CachePolicy(),
+                repeats=1, sampler=kvjax.GREEDY, verify_steps=4)
+    self.assertEqual(r["layout"], "packed")
+    self.assertTrue(r["verify_equal"])
+    self.assertIn("packed params", job.format_report(r))
+    narrow = job.load_model(config=ModelConfig(
+        vocab_size=64, num_layers=2, embed_dim=32, num_heads=4,
+        num_kv_heads=2, mlp_dim=64), seed=0)
+    tokens = job.prompt_tokens(narrow, text="", batch=1, prompt_len=6, seed=0)
+    r = job.run(narrow, tokens, max_new_tokens=3, policy=kvjax.CachePolicy(),
+                repeats=1)
+    self.assertEqual(r["layout"], "scan")
 
   def test_load_model_needs_a_source(self):
     with self.assertRaisesRegex(ValueError, "checkpoint"):

@@ -28,7 +28,7 @@ from kvjax import mla
 from kvjax import model
 from kvjax import published
 from kvjax.tolerance import assert_close
-import model as model_presets  # configs/model.py (see conftest.py)
+from configs import model as model_presets
 
 BASE = dict(vocab_size=64, num_layers=2, embed_dim=48, num_heads=3,
             mlp_dim=64, attention="mla", kv_lora_rank=24, qk_nope_head_dim=12,

@@ -11,6 +11,7 @@ the problem.
 
 import dataclasses
 import functools
+import gc
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -24,8 +25,8 @@ from kvjax import benchmarking as bm
 from kvjax import layers
 from kvjax import model
 from kvjax import packed
-from kvjax.tolerance import assert_close
 from kvjax import sharding
+from kvjax.tolerance import assert_close
 from tiny_models import VARIANTS, tiny, tiny_params
 
 S = 24
@@ -283,6 +284,70 @@ class PackedTest(parameterized.TestCase):
       model.check_params(bad, config)
     with self.assertRaisesRegex(ValueError, "do not match the config"):
       kvjax.generate(bad, config, _tokens(config, (1, 4)), 2)
+
+
+
+class ForDecodeTest(parameterized.TestCase):
+  """The default path is the fast path: inference entry points pack
+  canonical params themselves (`packed.for_decode`), once per params."""
+
+  def _wide(self, variant="gqa"):
+    base = dict(vocab_size=64, num_layers=2, embed_dim=packed.PACK_MIN_WIDTH,
+                num_heads=4, mlp_dim=64, init_scale=0.15)
+    if variant == "mla":
+      base.update(attention="mla", num_kv_heads=1, kv_lora_rank=32,
+                  qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+    else:
+      base.update(num_kv_heads=2)
+    config = kvjax.ModelConfig(**base)
+    return config, kvjax.init_params(config, jax.random.key(0))
+
+  @parameterized.parameters("gqa", "mla")
+  def test_generate_on_canonical_params_runs_packed(self, variant):
+    config, params = self._wide(variant)
+    self.assertTrue(packed.packs(params, config))
+    first = packed.for_decode(params, config)
+    self.assertTrue(packed.is_packed(first))
+    self.assertIs(packed.for_decode(params, config), first)  # packed once
+    self.assertIs(packed.for_decode(dict(params), config), first)
+    tokens = _tokens(config, (2, 7))
+    got = kvjax.generate(params, config, tokens, 6, return_logits=True)
+    want = kvjax.generate(first, config, tokens, 6, return_logits=True)
+    np.testing.assert_array_equal(got[0], want[0])
+    assert_close(got[1], want[1], config)
+    with packed.as_given():
+      self.assertIs(packed.for_decode(params, config), params)
+      canonical = kvjax.generate(params, config, tokens, 6,
+                                 return_logits=True)
+    np.testing.assert_array_equal(canonical[0], want[0])
+    assert_close(canonical[1], want[1], config)
+
+  def test_changed_params_are_packed_anew(self):
+    config, params = self._wide()
+    first = packed.for_decode(params, config)
+    changed = dict(params, final_norm=params["final_norm"] * 2)
+    second = packed.for_decode(changed, config)
+    self.assertIsNot(second, first)
+    np.testing.assert_array_equal(second["final_norm"],
+                                  params["final_norm"] * 2)
+
+  def test_entry_dies_with_the_canonical_arrays(self):
+    config, params = self._wide()
+    packed.for_decode(params, config)
+    key = tuple(map(id, jax.tree_util.tree_leaves(params)))
+    self.assertIn(key, packed._PACKED)  # pylint: disable=protected-access
+    del params
+    gc.collect()
+    self.assertNotIn(key, packed._PACKED)  # pylint: disable=protected-access
+
+  def test_what_is_not_packed(self):
+    config, params = self._wide()
+    tiny_config = tiny("gqa")
+    self.assertLess(tiny_config.embed_dim, packed.PACK_MIN_WIDTH)
+    self.assertFalse(packed.packs(tiny_params("gqa"), tiny_config))
+    self.assertFalse(packed.packs(packed.pack(params, config), config))
+    self.assertFalse(packed.packs(model.unstack_layers(params), config))
+    jax.jit(lambda p: self.assertFalse(packed.packs(p, config)) or 0)(params)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import kvjax
 from kvjax import model
 from kvjax import quant
 from kvjax.tolerance import assert_close, tolerance
-import model as model_presets  # configs/model.py (see conftest.py)
+from configs import model as model_presets
 
 VARIANTS = model_presets.VARIANTS
 # The first variant of each attention kind: one KVCache, one LatentCache.

@@ -26,7 +26,7 @@ import numpy as np
 import kvjax
 from kvjax import inference
 from kvjax.tolerance import assert_close
-import model as model_presets  # configs/model.py (see conftest.py)
+from configs import model as model_presets
 
 VARIANTS = model_presets.VARIANTS
 GQA_FAMILY = tuple(v for v in VARIANTS

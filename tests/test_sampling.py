@@ -23,7 +23,7 @@ import numpy as np
 import kvjax
 from kvjax.sampling import GREEDY, Sampler, argmax
 from kvjax.tolerance import assert_close
-import model as model_presets  # configs/model.py (see conftest.py)
+from configs import model as model_presets
 
 # A fixed, easily checked distribution: sorted, distinct probabilities.
 PROBS = np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])

@@ -34,7 +34,7 @@ import kvjax
 from kvjax import model as model_lib
 from kvjax import sharding
 from kvjax.tolerance import tolerance
-import model as model_presets  # configs/model.py (see conftest.py)
+from configs import model as model_presets
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 VARIANTS = model_presets.VARIANTS

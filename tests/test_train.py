@@ -6,7 +6,6 @@ depend on the kvjax model.
 """
 
 import dataclasses
-import importlib.util
 import json
 import math
 import pathlib
@@ -27,16 +26,10 @@ from kvjax import data
 from kvjax import train as train_lib
 from kvjax.tolerance import assert_close
 
-_CONFIG_FILE = pathlib.Path(__file__).parent.parent / "configs" / "train.py"
 
 
 def _load_train_configs():
-  # By path and under its own name: configs/ is not a package, and "train"
-  # would collide with other modules of that name.
-  spec = importlib.util.spec_from_file_location("kvjax_configs_train",
-                                                _CONFIG_FILE)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
+  from configs import train as module  # pylint: disable=g-import-not-at-top
   return module
 
 

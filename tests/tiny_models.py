@@ -5,7 +5,7 @@ import functools
 import jax
 
 import kvjax
-import model as model_presets  # configs/model.py (see conftest.py)
+from configs import model as model_presets
 
 VARIANTS = model_presets.VARIANTS
 

@@ -1,0 +1,80 @@
+r"""Which params layout decodes faster: canonical (layer scan) or packed.
+
+  python experiments/decode_layout.py --presets=gqa-small,gqa-medium \
+      --batches=1,8 --workdir=workdir/decode_layout
+
+For each preset and batch: `kvjax.generate` (prompt 128, 256 new tokens,
+the stacked decode cache) on the canonical params (inside
+`packed.as_given()`, so generate does not pack them) and on
+`kvjax.pack(params)`, timed alternately in one process. The ratio decides `kvjax.packed.PACK_MIN_WIDTH`, the width
+from which `kvjax.packed.for_decode` (what every inference entry point
+calls) packs. Prints a table; writes decode_layout.json.
+"""
+
+import json
+import os
+import statistics
+
+from absl import app
+from absl import flags
+import jax
+import numpy as np
+
+from kvjax import benchmarking as bm
+from kvjax import configs as cfg_lib
+from kvjax import inference
+from kvjax import model
+from kvjax import packed
+from configs import model as presets
+
+_PRESETS = flags.DEFINE_list("presets", ["gqa-small", "gqa-medium"],
+                             "configs/model.py presets.")
+_BATCHES = flags.DEFINE_list("batches", ["1", "8"], "Batch sizes.")
+_PROMPT = flags.DEFINE_integer("prompt_len", 128, "Prompt tokens.")
+_NEW = flags.DEFINE_integer("new_tokens", 256, "Generated tokens.")
+_REPEATS = flags.DEFINE_integer("repeats", 5, "Alternating timed rounds.")
+_WORKDIR = flags.DEFINE_string("workdir", "workdir/decode_layout",
+                               "Output directory.")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  rows = []
+  for name in _PRESETS.value:
+    config = cfg_lib.model_config(presets.get_config(name).model)
+    canonical = model.init_params(config, jax.random.key(0))
+    fused = packed.pack(canonical, config)
+    for batch in map(int, _BATCHES.value):
+      tokens = np.asarray(jax.random.randint(
+          jax.random.key(1), (batch, _PROMPT.value), 0, config.vocab_size))
+
+      def gen(p, tokens=tokens, config=config):
+        return inference.generate(p, config, tokens, _NEW.value,
+                                  decode_layout="stacked")
+
+      def gen_canonical():
+        with packed.as_given():  # no packing inside generate
+          return gen(canonical)
+
+      t = bm.time_alternating(dict(canonical=gen_canonical,
+                                   packed=lambda: gen(fused)),
+                              warmup=1, repeats=_REPEATS.value)
+      ratios = bm.paired_ratios(t["canonical"].seconds, t["packed"].seconds)
+      row = dict(preset=name, batch=batch, embed_dim=config.embed_dim,
+                 canonical_s=t["canonical"].median,
+                 packed_s=t["packed"].median,
+                 packed_speedup=statistics.median(ratios),
+                 speedup_rounds=ratios)
+      rows.append(row)
+      print(f"{name} batch {batch} (D {config.embed_dim}): canonical "
+            f"{row['canonical_s']:.3f} s, packed {row['packed_s']:.3f} s, "
+            f"packed {row['packed_speedup']:.3f}x (rounds "
+            f"{min(ratios):.3f}-{max(ratios):.3f})", flush=True)
+  os.makedirs(_WORKDIR.value, exist_ok=True)
+  with open(os.path.join(_WORKDIR.value, "decode_layout.json"), "w") as f:
+    json.dump(dict(machine=bm.machine_info(), rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+  app.run(main)
