@@ -6,14 +6,12 @@ r"""Attention-variant ablation: MHA, MQA, GQA, MLA at matched parameters.
 Every variant is trained with the train section of --config (identical data,
 steps and seeds; models from configs/train.py, matched parameter count),
 then the table (validation bits/byte per seed, KV bytes per token, decode
-tokens/s) is printed and written to --workdir (ablation.json, .md, .png);
-with --update_workspace it also replaces the ablation section of
-WORKSPACE.md. Re-running resumes: finished runs are not retrained.
+tokens/s) is printed to stdout as markdown and written to --workdir
+(ablation.md, with ablation.json and ablation.png beside it). Re-running
+resumes: finished runs are not retrained.
 """
 
 import os
-import shutil
-import sys
 import time
 
 from absl import app
@@ -37,8 +35,6 @@ _WORKDIR = flags.DEFINE_string("workdir", "workdir/ablate", "Output dir.")
 _SEEDS = flags.DEFINE_list("seeds", ["0", "1"], "Seeds (one run each).")
 _VARIANTS = flags.DEFINE_list("variants", list(train_presets.VARIANTS),
                               "Variants to train.")
-_UPDATE_WORKSPACE = flags.DEFINE_bool(
-    "update_workspace", False, "Write the table into WORKSPACE.md.")
 
 
 def main(argv):
@@ -52,22 +48,9 @@ def main(argv):
   rows = ablation.run_ablation(model_configs, train_config,
                                [int(s) for s in _SEEDS.value], _WORKDIR.value)
   minutes = (time.perf_counter() - t0) / 60
-  table = ablation.markdown(rows)
-  print(table)
-  logging.info("ablation took %.1f min (this invocation)", minutes)
-  if _UPDATE_WORKSPACE.value:
-    command = ("python experiments/ablate.py "
-               + " ".join(a for a in sys.argv[1:] if "update_workspace" not in a))
-    figure = os.path.join("figures", "ablation.png")
-    os.makedirs(os.path.join(_ROOT, "figures"), exist_ok=True)
-    shutil.copy(os.path.join(_WORKDIR.value, "ablation.png"),
-                os.path.join(_ROOT, figure))
-    section = (f"Command: `{command.strip()}` — {len(_SEEDS.value)} seeds × "
-               f"{len(model_configs)} variants, {train_config.num_steps} steps "
-               f"of {train_config.batch_size}×{train_config.seq_len} bytes "
-               f"each; this invocation took {minutes:.1f} min on this "
-               f"machine.\n\n{table}\n\n![ablation]({figure})")
-    ablation.update_workspace(os.path.join(_ROOT, "WORKSPACE.md"), section)
+  print(ablation.markdown(rows))
+  logging.info("ablation took %.1f min (this invocation); table in %s",
+               minutes, os.path.join(_WORKDIR.value, "ablation.md"))
 
 
 if __name__ == "__main__":

@@ -26,9 +26,9 @@ Multi-variant modes build `model_dict(variant, size)` for the preset's size.
 All logic lives in `kvjax.benchmarking`; this file only sequences and plots.
 """
 
+import contextlib
 import json
 import os
-import sys
 
 from absl import app
 from absl import flags
@@ -36,7 +36,6 @@ from absl import logging
 import jax
 import jax.numpy as jnp
 import matplotlib
-import numpy as np
 from ml_collections import config_flags
 
 matplotlib.use("Agg")
@@ -515,6 +514,14 @@ def main(argv):
   logging.info("preset %s: %s, %.1fM params; machine %s",
                _CONFIG.value.preset, config.variant,
                kvjax.param_count(config) / 1e6, bm.machine_info())
+  # --layers=scan: keep the layer scan (the inference calls would
+  # otherwise pack wide params themselves, kvjax.packed.for_decode).
+  with (packed.as_given() if _LAYERS.value == "scan" else
+        contextlib.nullcontext()):
+    _run_modes(config, modes)
+
+
+def _run_modes(config, modes):
   # memory first: it measures the process's resident set.
   for mode in MODES:
     if mode not in modes:

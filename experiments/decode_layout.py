@@ -6,7 +6,8 @@ r"""Which params layout decodes faster: canonical (layer scan) or packed.
 For each preset and batch: `kvjax.generate` (prompt 128, 256 new tokens,
 the stacked decode cache) on the canonical params (inside
 `packed.as_given()`, so generate does not pack them) and on
-`kvjax.pack(params)`, timed alternately in one process. The ratio decides `kvjax.packed.PACK_MIN_WIDTH`, the width
+`kvjax.pack(params)`, and the default path (the canonical params passed to
+`generate`, which packs them itself), timed alternately in one process. The ratio decides `kvjax.packed.PACK_MIN_WIDTH`, the width
 from which `kvjax.packed.for_decode` (what every inference entry point
 calls) packs. Prints a table; writes decode_layout.json.
 """
@@ -58,19 +59,27 @@ def main(argv):
           return gen(canonical)
 
       t = bm.time_alternating(dict(canonical=gen_canonical,
-                                   packed=lambda: gen(fused)),
+                                   packed=lambda: gen(fused),
+                                   default=lambda: gen(canonical)),
                               warmup=1, repeats=_REPEATS.value)
       ratios = bm.paired_ratios(t["canonical"].seconds, t["packed"].seconds)
+      default = bm.paired_ratios(t["packed"].seconds, t["default"].seconds)
       row = dict(preset=name, batch=batch, embed_dim=config.embed_dim,
                  canonical_s=t["canonical"].median,
                  packed_s=t["packed"].median,
+                 default_s=t["default"].median,
                  packed_speedup=statistics.median(ratios),
-                 speedup_rounds=ratios)
+                 speedup_rounds=ratios,
+                 default_vs_packed=statistics.median(default),
+                 default_vs_packed_rounds=default)
       rows.append(row)
       print(f"{name} batch {batch} (D {config.embed_dim}): canonical "
             f"{row['canonical_s']:.3f} s, packed {row['packed_s']:.3f} s, "
             f"packed {row['packed_speedup']:.3f}x (rounds "
-            f"{min(ratios):.3f}-{max(ratios):.3f})", flush=True)
+            f"{min(ratios):.3f}-{max(ratios):.3f}); default path "
+            f"{row['default_s']:.3f} s, {row['default_vs_packed']:.3f}x the "
+            f"packed speed (rounds {min(default):.3f}-{max(default):.3f})",
+            flush=True)
   os.makedirs(_WORKDIR.value, exist_ok=True)
   with open(os.path.join(_WORKDIR.value, "decode_layout.json"), "w") as f:
     json.dump(dict(machine=bm.machine_info(), rows=rows), f, indent=1)

@@ -142,15 +142,21 @@ def plot(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike) -> None:
   plt.close(fig)
 
 
-def update_workspace(path: str | os.PathLike, section: str) -> None:
-  """Replaces the text between the ablation markers in WORKSPACE.md."""
-  begin, end = "<!-- ablation:begin -->", "<!-- ablation:end -->"
-  text = pathlib.Path(path).read_text()
-  if begin not in text or end not in text:
-    raise ValueError(f"{path} has no {begin} ... {end} markers")
-  head, rest = text.split(begin, 1)
-  _, tail = rest.split(end, 1)
-  pathlib.Path(path).write_text(f"{head}{begin}\n{section}\n{end}{tail}")
+def write_outputs(rows: Sequence[Mapping[str, Any]], runs: Sequence[Run],
+                  workdir: str | os.PathLike, wall_s: float) -> pathlib.Path:
+  """Writes ablation.json, ablation.md (the `markdown` table) and
+  ablation.png to workdir, and nothing elsewhere (code never edits the
+  docs); returns the table's path."""
+  wd = pathlib.Path(workdir)
+  wd.mkdir(parents=True, exist_ok=True)
+  (wd / "ablation.json").write_text(json.dumps(
+      dict(rows=list(rows), runs=[dataclasses.asdict(r) for r in runs],
+           wall_s=wall_s, device=str(jax.devices()[0].device_kind)),
+      indent=1))
+  table = wd / "ablation.md"
+  table.write_text(markdown(rows) + "\n")
+  plot(rows, wd / "ablation.png")
+  return table
 
 
 def run_ablation(model_configs: Mapping[str, ModelConfig],
@@ -166,11 +172,5 @@ def run_ablation(model_configs: Mapping[str, ModelConfig],
     _, params[variant] = train.restore_params(wd)
   speed = decode_speed(model_configs, params)
   rows = summarize(runs, model_configs, speed)
-  wd = pathlib.Path(workdir)
-  (wd / "ablation.json").write_text(json.dumps(
-      dict(rows=rows, runs=[dataclasses.asdict(r) for r in runs],
-           wall_s=time.perf_counter() - t0,
-           device=str(jax.devices()[0].device_kind)), indent=1))
-  (wd / "ablation.md").write_text(markdown(rows) + "\n")
-  plot(rows, wd / "ablation.png")
+  write_outputs(rows, runs, workdir, time.perf_counter() - t0)
   return rows

@@ -43,6 +43,7 @@ import numpy as np
 
 from kvjax import cache as cache_lib
 from kvjax import errors
+from kvjax import packed
 from kvjax import quant
 from kvjax.config import ModelConfig
 
@@ -657,6 +658,7 @@ def decode_step_seconds(params, config: ModelConfig, batch: int,
     raise ValueError(f"capacity={capacity} < {need} slots the run needs")
   state = [filled_cache(config, batch, capacity, position, policy)]
   tok = jnp.zeros((batch,), jnp.int32)
+  params = packed.for_decode(params, config)  # the layout generate runs
 
   def run():
     out, state[0] = decode_loop(params, config, tok, state[0], steps)
@@ -734,6 +736,8 @@ def prefill_seconds(params, config: ModelConfig, batch: int, length: int, *,
   caches = [cache_lib.init_cache(config, batch, length)
             for _ in range(warmup + repeats)]
   jax.block_until_ready(caches)
+
+  params = packed.for_decode(params, config)  # what prefill runs
 
   def run():
     logits, _ = inference._prefill(params, config, tokens, mask,  # pylint: disable=protected-access

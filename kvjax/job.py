@@ -13,7 +13,6 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from kvjax import benchmarking

@@ -3,7 +3,6 @@ cleanup of the files xdist workers share."""
 
 import glob
 import os
-import sys
 import tempfile
 import uuid
 

@@ -1,10 +1,9 @@
-"""The ablation's bookkeeping: resume, summary, table, WORKSPACE update."""
+"""The ablation's bookkeeping: resume, summary, table, outputs in the workdir."""
 
 import json
 import pathlib
 
 from absl.testing import absltest
-import jax
 
 from kvjax import ablation
 from kvjax import cache as cache_lib
@@ -52,18 +51,21 @@ class AblationTest(absltest.TestCase):
     ablation.plot(rows, workdir / "a.png")
     self.assertGreater((workdir / "a.png").stat().st_size, 1000)
 
-  def test_update_workspace_replaces_only_the_section(self):
-    path = pathlib.Path(self.create_tempdir().full_path) / "W.md"
-    path.write_text("head\n<!-- ablation:begin -->\nold\n"
-                    "<!-- ablation:end -->\ntail\n")
-    ablation.update_workspace(path, "new table")
-    text = path.read_text()
-    self.assertIn("head\n<!-- ablation:begin -->\nnew table\n", text)
-    self.assertNotIn("old", text)
-    self.assertTrue(text.endswith("<!-- ablation:end -->\ntail\n"))
-    path.write_text("no markers")
-    with self.assertRaisesRegex(ValueError, "markers"):
-      ablation.update_workspace(path, "x")
+  def test_outputs_go_to_the_workdir_only(self):
+    workdir = pathlib.Path(self.create_tempdir().full_path) / "ablate"
+    runs = [ablation.Run(v, s, str(workdir / f"{v}-s{s}"), 2.0 + s, 1.0, 1.0)
+            for v in ("gqa", "mla") for s in (0, 1)]
+    rows = ablation.summarize(runs, _configs(), {"gqa": 10.0, "mla": 5.0})
+    path = ablation.write_outputs(rows, runs, workdir, wall_s=3.0)
+    self.assertEqual(path, workdir / "ablation.md")
+    self.assertEqual(path.read_text(), ablation.markdown(rows) + "\n")
+    self.assertEqual(
+        sorted(p.name for p in workdir.iterdir()),
+        ["ablation.json", "ablation.md", "ablation.png"])
+    saved = json.loads((workdir / "ablation.json").read_text())
+    self.assertEqual([r["variant"] for r in saved["rows"]], ["gqa", "mla"])
+    self.assertLen(saved["runs"], 4)
+    self.assertFalse(hasattr(ablation, "update_workspace"))
 
 
 if __name__ == "__main__":

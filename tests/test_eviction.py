@@ -18,7 +18,6 @@ names come from `ModelConfig.variant` and the policy itself.
 
 import functools
 import os
-import sys
 
 from absl.testing import absltest
 from absl.testing import parameterized

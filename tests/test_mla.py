@@ -23,7 +23,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import kvjax
-from kvjax import cache as cache_lib
 from kvjax import mla
 from kvjax import model
 from kvjax import published
