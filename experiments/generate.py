@@ -2,7 +2,7 @@ r"""The main job: generate with the KV cache, measure it, verify it.
 
   python experiments/generate.py                       # shipped Austen model
   python experiments/generate.py --prompt="It is a truth"
-  python experiments/generate.py --random --config=configs/model.py:gqa-medium
+  python experiments/generate.py --config=configs/model.py:mla-small  # random init
   python experiments/generate.py --checkpoint=/path/to/hf_dir \
       --config.cache.eviction=sinks --config.cache.num_sinks=4 \
       --config.cache.capacity=256
@@ -18,7 +18,6 @@ import os
 
 from absl import app
 from absl import flags
-from absl import logging
 from ml_collections import config_flags
 
 from kvjax import configs
@@ -28,7 +27,10 @@ from kvjax import sharding
 _CONFIG = config_flags.DEFINE_config_file(
     "config", os.path.join(os.path.dirname(__file__), "..", "configs",
                            "model.py:gqa-small"),
-    "Model / cache / generation config.", lock_config=True)
+    "Model / cache / generation config. Naming it (--config=...:preset) runs "
+    "a seeded random init of that preset; without --config the shipped "
+    "model runs, with this default's cache and generation settings.",
+    lock_config=True)
 _CHECKPOINT = flags.DEFINE_string(
     "checkpoint", "", "Hugging Face checkpoint directory.")
 _TRAINED = flags.DEFINE_string(
@@ -52,15 +54,25 @@ def main(argv):
   sharding.initialize_distributed()  # a no-op for a single process
   cfg = _CONFIG.value
   trained = _TRAINED.value
-  if not (_CHECKPOINT.value or trained or _RANDOM.value):
-    if os.path.isdir(job.SHIPPED_MODEL):
-      trained = job.SHIPPED_MODEL
-    else:
-      logging.warning("no shipped model at %s: using a random init",
-                      job.SHIPPED_MODEL)
+  # Which model runs, and why: a checkpoint or workdir named on the command
+  # line, else a preset named with --config (or --random: a seeded random
+  # init of it), else the shipped model.
+  preset_given = flags.FLAGS["config"].present
+  if _CHECKPOINT.value:
+    why = "--checkpoint"
+  elif trained:
+    why = "--trained"
+  elif _RANDOM.value or preset_given:
+    why = (f"random init of the --config preset {cfg.preset!r}"
+           if preset_given else f"--random, preset {cfg.preset!r}")
+  elif os.path.isdir(job.SHIPPED_MODEL):
+    trained, why = job.SHIPPED_MODEL, "shipped model: no model flag given"
+  else:
+    why = f"random init: no shipped model at {job.SHIPPED_MODEL}"
   loaded = job.load_model(checkpoint=_CHECKPOINT.value, trained=trained,
                           config=configs.model_config(cfg.model),
                           seed=cfg.generate.seed)
+  print(f"model: {loaded.source} ({why})", flush=True)
   tokens = job.prompt_tokens(loaded, text=_PROMPT.value,
                              batch=cfg.generate.batch,
                              prompt_len=cfg.generate.prompt_len,
