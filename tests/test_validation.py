@@ -39,7 +39,10 @@ from kvjax.sampling import Sampler
 # Small example counts: an example is one dataclass construction or one
 # config.json read, and the file must run in well under 30 s on the shared
 # 2-core machine (about 12 s, most of it JAX start-up and the one compile).
-FEW = settings(max_examples=25, deadline=None,
+# derandomize: the same examples on every run, so CI cannot fail on a draw
+# it never saw here (widen max_examples locally to explore).
+FEW = settings(max_examples=25, deadline=None, derandomize=True,
+               database=None,
                suppress_health_check=[hypothesis.HealthCheck.too_slow])
 
 BASE = dict(vocab_size=32, num_layers=1, embed_dim=16, num_heads=4,
@@ -557,7 +560,7 @@ def test_unreadable_config_json_named(tmp_path, content, message):
     kvjax.load_checkpoint(path)
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=10, deadline=None, derandomize=True, database=None)
 @given(key=st.sampled_from([k for b, k, _ in HF_INTS if b == "llama"]),
        bad=st.one_of(json_non_ints(), st.just(0), st.just(-1)))
 def test_load_checkpoint_names_bad_config_key_before_reading(tmp_path_factory,
