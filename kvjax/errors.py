@@ -20,8 +20,8 @@ A step returns NaN logits for every row whose bits were set before its LM
 head (`poisoned_rows`), and flags rows whose logits come out non-finite
 (`flag_nonfinite`): never finite numbers computed from lost or garbage
 data, and a sampler cannot turn non-finite logits into a plausible token
-(`Sampler` returns `INVALID_TOKEN` for such rows). `prefill`, `extend`, `decode_step`,
-`generate` and the streaming and benchmark drivers call `raise_if_set` on
+(`Sampler` returns `INVALID_TOKEN` for such rows). `prefill`, `extend`,
+`decode_step`, `generate` and the streaming and benchmark drivers call `raise_if_set` on
 the cache they receive and the one they produce: a `ValueError` naming each
 error and the sequences it hit. `generate` checks once after its loop (no
 per-step host sync).
@@ -132,10 +132,11 @@ def poisoned_rows(cache):
 
   The model applies it inside the LM head's RMSNorm, to the per-row
   1/rms factor (`layers.rms_norm(invalid_B=...)`): a select on [B, T, 1]
-  in the norm's reduction. A select on the hidden state or the logits
-  cost 4-5 % of a small batch-1 step on CPU, because XLA fuses the norm
-  into the head's matrix-vector loop and redoes its inputs per weight row
-  (experiments/error_check_cost.py)."""
+  in the norm's reduction. A select on the hidden state or the logits is
+  not free on CPU: XLA fuses the norm into the head's matrix-vector loop
+  and redoes its inputs per weight row (the first version of these checks,
+  with that select, cost 1.066x on gqa-small batch 1:
+  experiments/error_check_cost.py)."""
   if not enabled():
     return None
   return cache.errors != 0
@@ -147,8 +148,7 @@ def flag_nonfinite(logits, cache):
   if not enabled():
     return cache
   # max |x| is NaN or inf exactly when a logit is: a float max-reduction
-  # vectorises on CPU, where an and-reduction of isfinite cost 4 % of a
-  # small batch-1 step (experiments/error_check_cost.py).
+  # vectorises on CPU; an and-reduction of isfinite does not.
   axes = tuple(range(1, logits.ndim))
   largest = jnp.max(jnp.abs(logits), axis=axes)
   # Rows poisoned for an earlier error are NaN by design, not a new cause.
