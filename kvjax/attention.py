@@ -19,6 +19,7 @@ from kvjax import kivi
 from kvjax import quant
 from kvjax.config import ModelConfig
 from kvjax.layers import apply_rope, linear_t, merge_heads_out
+from kvjax.policies import base as policies_base
 
 MODES = ("forward", "prefill", "extend", "decode")
 
@@ -36,12 +37,16 @@ class Step:
     decode   the new K/V are written first, then the queries attend over the
              whole cache.
   q_pos: [B, T] stream positions of the new tokens (-1 for padding).
-  mask: [B, T, S'] which keys each query may attend (S' = T, S + T or S).
+  mask: [B, T, S'] which keys each query may attend (S' = T, S + T or S);
+    a decode step of a scoped policy (`kvjax.policies`: layers or heads
+    keep different tokens) has [L, B, K', T, S] instead (`layer_mask`).
   cos_q, sin_q: [B, T, R/2] rotation of the queries (and of the new keys in
     `original` position mode).
   cos_k, sin_k: [B, S, R/2] rotation applied to cached keys at attention time
     (`cache` position mode only), else None.
-  slots: [B, T] cache slot each new token is written to (S = not written).
+  slots: [B, T] cache slot each new token is written to (S = not written);
+    a scoped decode step has [L, B, K'] (`layer_slots`); a scoped prefill
+    None (each layer chooses what it keeps).
   attend (static, decode only): attend over the first `attend` slots only
     (0: all S). With eviction 'none' the filled slots are a prefix, so a
     decode loop that knows an upper bound of the lengths reads (and
@@ -61,15 +66,30 @@ class Step:
   attend: int = struct.field(pytree_node=False, default=0)
 
 
-def attend(q_BTKGH, k_BKSH, v_BKSH, mask_BTS, scale: float,
+def layer_mask(step: Step, layer):
+  """This layer's mask as [B, K', T, S'] (K' = 1: shared by the heads)."""
+  if step.mask.ndim == 5:  # [L, B, K', T, S]: a scoped decode step
+    return step.mask[layer]
+  return step.mask[:, None]
+
+
+def layer_slots(step: Step, layer):
+  """This layer's write slots: [B, T], or [B, T, K'] for a scoped step."""
+  if step.slots is not None and step.slots.ndim == 3:  # [L, B, K']
+    return step.slots[layer][:, None]
+  return step.slots
+
+
+def attend(q_BTKGH, k_BKSH, v_BKSH, mask_BKTS, scale: float,
            impl: str = "einsum"):
   """Masked softmax attention for grouped queries.
 
   Args:
     q_BTKGH: queries grouped by the kv head that serves them.
     k_BKSH, v_BKSH: keys and values (heads-first, the cache layout).
-    mask_BTS: True where the key may be attended. Fully masked rows return a
-      finite average (they are padding and never read), never NaN.
+    mask_BKTS: True where the key may be attended, [B, K', T, S] with K' 1
+      (every head) or K (per kv head: scoped eviction). Fully masked rows
+      return a finite average (they are padding and never read), never NaN.
     scale: softmax scale.
     impl: 'einsum' (portable); 'jax_nn' (jax.nn.dot_product_attention with
       its default implementation, which in jax 0.10 is XLA's on every
@@ -84,9 +104,11 @@ def attend(q_BTKGH, k_BKSH, v_BKSH, mask_BTS, scale: float,
     q_BTNH = q_BTKGH.reshape(B, T, K * G, H)
     k_BSKH = jnp.swapaxes(k_BKSH, 1, 2)
     v_BSKH = jnp.swapaxes(v_BKSH, 1, 2)
+    mask_BNTS = (mask_BKTS if mask_BKTS.shape[1] == 1 else
+                 jnp.repeat(mask_BKTS, G, axis=1))
     out = jax.nn.dot_product_attention(
         q_BTNH, k_BSKH.astype(q_BTNH.dtype), v_BSKH.astype(q_BTNH.dtype),
-        mask=mask_BTS[:, None], scale=scale,
+        mask=mask_BNTS, scale=scale,
         implementation="cudnn" if impl == "cudnn" else None)
     return out.reshape(B, T, K, G, H), None
   big_neg = jnp.finfo(jnp.float32).min
@@ -103,17 +125,17 @@ def attend(q_BTKGH, k_BKSH, v_BKSH, mask_BTS, scale: float,
         jnp.einsum("BKSH,BKGH->BKSG", k_BKSH, q_BTKGH[:, 0],
                    preferred_element_type=jnp.float32))
     return decode_softmax_values(jnp.swapaxes(logits_BKSG, -1, -2), v_BKSH,
-                                 mask_BTS, scale, q_BTKGH.dtype)
+                                 mask_BKTS, scale, q_BTKGH.dtype)
   logits_BKGTS = jnp.einsum("BTKGH,BKSH->BKGTS", q_BTKGH, k_BKSH,
                             preferred_element_type=jnp.float32) * scale
-  logits_BKGTS = jnp.where(mask_BTS[:, None, None], logits_BKGTS, big_neg)
+  logits_BKGTS = jnp.where(mask_BKTS[:, :, None], logits_BKGTS, big_neg)
   probs_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1)
   out_BTKGH = jnp.einsum("BKGTS,BKSH->BTKGH", probs_BKGTS.astype(v_BKSH.dtype),
                          v_BKSH, preferred_element_type=jnp.float32)
   return out_BTKGH.astype(q_BTKGH.dtype), probs_BKGTS
 
 
-def decode_softmax_values(logits_BKGS, v_BKSH, mask_BTS, scale: float,
+def decode_softmax_values(logits_BKGS, v_BKSH, mask_BKTS, scale: float,
                           dtype):
   """The rest of decode attention (T = 1) once the key logits are known:
   scale, mask, softmax, value product. Shared by the stacked cache
@@ -123,7 +145,7 @@ def decode_softmax_values(logits_BKGS, v_BKSH, mask_BTS, scale: float,
     out_BTKGH in `dtype`, probs_BKGTS (float32); fully masked rows give a
     finite average, never NaN.
   """
-  logits_BKGS = jnp.where(mask_BTS[:, None], logits_BKGS * scale,
+  logits_BKGS = jnp.where(mask_BKTS[:, :, 0][:, :, None], logits_BKGS * scale,
                           jnp.finfo(jnp.float32).min)
   probs_BKGS = jax.nn.softmax(logits_BKGS, axis=-1)
   out_BKGH = jnp.einsum("BKGS,BKSH->BKGH", probs_BKGS.astype(v_BKSH.dtype),
@@ -166,22 +188,94 @@ def read_kv(cache: cache_lib.KVCache, layer, dtype, prefix: int = 0):
   return quant.dequantize(cache.k[layer, :, :, :P], k_scale, dtype), v_BKSH
 
 
-def accumulate_scores(cache, probs_BKGTS, step: Step):
-  """Adds the attention each cached slot received to `cache.scores` (h2o)."""
-  if not step.want_scores or probs_BKGTS is None:
+def observe_scores(cache, probs_BKGTS, k_BKSH, step: Step, layer):
+  """Folds what one layer call shows a scored policy into `cache.scores`
+  (`kvjax.policies`: attention received, key norms, ...).
+
+  probs_BKGTS: the call's attention probabilities (None from fused
+  attention; policies that need them are refused before compute).
+  k_BKSH: the call's keys as attended (K = N, G = 1 for MLA's per-head
+  keys). A global policy's scores [B, S] sum over layers and heads; a
+  scoped one's [L, B, K', S] hold each layer's (and head's) own.
+  """
+  if not step.want_scores:
     return cache
+  ev = cache.policy.evictor
   S = cache.capacity
-  recv_BS = jnp.sum(probs_BKGTS, axis=(1, 2, 3))
+  seen_BKS = ev.observe(probs_BKGTS, k_BKSH, step.mode)
+  if cache.scores.ndim == 4:  # scoped: this layer's own
+    seen_BKS = policies_base.reduce_heads(seen_BKS, cache.scores.shape[2])
+    return cache.replace(scores=cache.scores.at[layer].add(seen_BKS))
+  seen_BS = jnp.sum(seen_BKS, axis=1)
   if step.mode == "prefill":
     # Prefill keys are the new tokens; move their totals to their slots.
     B, T = step.slots.shape
     b_BT = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
     add = jnp.zeros((B, S), jnp.float32).at[b_BT, step.slots].add(
-        recv_BS, mode="drop")
+        seen_BS, mode="drop")
     return cache.replace(scores=cache.scores + add)
-  if step.mode == "extend":
-    recv_BS = recv_BS[:, :S]
-  return cache.replace(scores=cache.scores + recv_BS)
+  return cache.replace(scores=cache.scores + seen_BS)
+
+
+def compress_prompt(cache, probs_BKGTS, k_BKTH, step: Step, layer):
+  """A scoped policy's prefill for one layer: which prompt tokens this
+  layer (and each head) keeps, packed into slots 0..n-1 in stream order.
+
+  Args:
+    cache: the cache being prefilled (scoped policy).
+    probs_BKGTS, k_BKTH: the prompt's attention and keys in this layer.
+    step: the prefill step (q_pos [B, T]).
+  Returns:
+    (idx_BKS, cache): for every scope and slot, the prompt index of the
+    token it keeps (T where the slot stays empty), and the cache with this
+    layer's positions, scores and budget set.
+  """
+  ev, S = cache.policy.evictor, cache.capacity
+  Kp = cache.positions.shape[2]
+  q_pos_BT = step.q_pos
+  B, T = q_pos_BT.shape
+  real_BT = q_pos_BT >= 0
+  total_B = jnp.sum(real_BT, axis=1)
+  score_BKT = policies_base.reduce_heads(
+      ev.observe(probs_BKGTS, k_BKTH, "prefill"), Kp)
+  protected_BT = ev.protected(q_pos_BT, total_B[:, None])
+  budget_BK = cache.budget[layer]
+  keep_BKT = ev.prefill_keep(score_BKT, protected_BT, real_BT, budget_BK, S)
+  # Kept tokens first, in stream order; then the rest (their slots empty).
+  t_11T = jnp.arange(T).reshape(1, 1, T)
+  order_BKT = jnp.argsort(jnp.where(keep_BKT, t_11T, T + t_11T), axis=-1)
+  kept_BK = jnp.sum(keep_BKT, axis=-1)
+  if T >= S:
+    idx_BKS = order_BKT[..., :S]
+  else:
+    idx_BKS = jnp.concatenate(
+        [order_BKT, jnp.full((B, Kp, S - T), T, order_BKT.dtype)], axis=-1)
+  valid_BKS = jnp.arange(S).reshape(1, 1, S) < kept_BK[..., None]
+  idx_BKS = jnp.where(valid_BKS, idx_BKS, T)
+  safe_BKS = jnp.minimum(idx_BKS, T - 1)
+  pos_BKS = jnp.take_along_axis(
+      jnp.broadcast_to(q_pos_BT[:, None], (B, Kp, T)), safe_BKS, axis=-1)
+  kept_scores_BKS = jnp.take_along_axis(score_BKT, safe_BKS, axis=-1)
+  cache = cache.replace(
+      positions=cache.positions.at[layer].set(
+          jnp.where(valid_BKS, pos_BKS, cache_lib.EMPTY)),
+      scores=cache.scores.at[layer].set(
+          jnp.where(valid_BKS, kept_scores_BKS, 0.0)),
+      budget=cache.budget.at[layer].set(
+          ev.allot(kept_BK, budget_BK, S).astype(jnp.int32)))
+  return idx_BKS, cache
+
+
+def gather_tokens(x_BTKH, idx_BKS):
+  """[B, S, K, H]: for every head, the tokens `idx_BKS` (K' = 1 or K)
+  picks (indices past the end give the last token: their slots are
+  marked empty)."""
+  B, T, K, H = x_BTKH.shape
+  idx = jnp.minimum(idx_BKS, T - 1)
+  idx = jnp.broadcast_to(idx, (B, K, idx.shape[-1]))
+  x_BKTH = jnp.swapaxes(x_BTKH, 1, 2)
+  out_BKSH = jnp.take_along_axis(x_BKTH, idx[..., None], axis=2)
+  return jnp.swapaxes(out_BKSH, 1, 2)
 
 
 def gqa_attention(p, x_BTD, step: Step, cache, layer, config: ModelConfig):
@@ -224,15 +318,18 @@ def gqa_attention(p, x_BTD, step: Step, cache, layer, config: ModelConfig):
   k_store_BTKH = k_BTKH if pre_rope else k_rot_BTKH
 
   q_BTKGH = q_BTNH.reshape(B, T, K, G, H)
+  mask_BKTS = layer_mask(step, layer)
   if isinstance(cache, blocked_lib.BlockedKV):  # generate's batched decode
     cache = blocked_lib.write(cache, layer, step.slots, k_store_BTKH, v_BTKH)
     k_BKWHX, v_BKSH = blocked_lib.read(cache, layer, dtype)
     out_BTKGH, _ = decode_softmax_values(
-        blocked_lib.key_logits(q_BTKGH, k_BKWHX), v_BKSH, step.mask,
+        blocked_lib.key_logits(q_BTKGH, k_BKWHX), v_BKSH, mask_BKTS,
         config.softmax_scale, dtype)
     return project_out(p, out_BTKGH.reshape(B, T, N, H)), cache
+  compress = step.mode == "prefill" and cache.policy.scoped
   if step.mode == "decode":
-    cache = write_kv(cache, layer, step.slots, k_store_BTKH, v_BTKH)
+    cache = write_kv(cache, layer, layer_slots(step, layer), k_store_BTKH,
+                     v_BTKH)
     k_BKSH, v_BKSH = read_kv(cache, layer, dtype, step.attend)
     if pre_rope:
       k_BKSH = apply_rope(k_BKSH, step.cos_k[:, None], step.sin_k[:, None],
@@ -244,14 +341,22 @@ def gqa_attention(p, x_BTD, step: Step, cache, layer, config: ModelConfig):
       k_old, v_old = read_kv(cache, layer, dtype)
       k_BKSH = jnp.concatenate([k_old, k_BKSH], axis=2)
       v_BKSH = jnp.concatenate([v_old, v_BKSH], axis=2)
-    if step.mode in ("prefill", "extend"):
+    if step.mode in ("prefill", "extend") and not compress:
       cache = write_kv(cache, layer, step.slots, k_store_BTKH, v_BTKH,
                        fresh=step.mode == "prefill")
 
-  out_BTKGH, probs = attend(q_BTKGH, k_BKSH, v_BKSH, step.mask,
+  out_BTKGH, probs = attend(q_BTKGH, k_BKSH, v_BKSH, mask_BKTS,
                             config.softmax_scale, config.attention_impl)
-  if cache is not None:
-    cache = accumulate_scores(cache, probs, step)
+  if compress:
+    # Every layer sees the whole prompt; it keeps what its policy chooses.
+    idx_BKS, cache = compress_prompt(cache, probs, k_BKSH, step, layer)
+    S = cache.capacity
+    slots_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+    cache = write_kv(cache, layer, slots_BS,
+                     gather_tokens(k_store_BTKH, idx_BKS),
+                     gather_tokens(v_BTKH, idx_BKS), fresh=True)
+  elif cache is not None:
+    cache = observe_scores(cache, probs, k_BKSH, step, layer)
   return project_out(p, out_BTKGH.reshape(B, T, N, H)), cache
 
 

@@ -37,11 +37,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from kvjax import policies
 from kvjax import quant
 from kvjax.config import ModelConfig
 from kvjax.validate import check_int
 
-EVICTIONS = ("none", "window", "sinks", "h2o")
+EVICTIONS = tuple(policies.REGISTRY)
 POSITION_MODES = ("original", "cache")
 KV_DTYPES = ("float32", "bfloat16", "float16", "int8")
 KEY_QUANT = ("token", "channel")
@@ -52,7 +53,10 @@ EMPTY = -1  # position stored in a slot that holds no token
 class CachePolicy:
   """How a bounded cache stores and evicts tokens (static, hashable).
 
-  eviction:
+  eviction: a registered policy name (`kvjax.policies.REGISTRY`: none,
+    window, sinks, h2o, tova, knorm, snapkv, pyramid, adakv) or a policy
+    object (`kvjax.policies.SnapKV(window=16)`); stored as its name, the
+    object in `evictor`.
     none    slot = position; overflowing the capacity is an error.
     window  a rolling buffer of the last `capacity` tokens.
     sinks   the first `num_sinks` tokens pinned, a rolling window for the
@@ -60,20 +64,29 @@ class CachePolicy:
     h2o     heavy hitters: the `recent` newest tokens always kept, the rest of
             the slots hold the tokens with the largest accumulated attention
             (H2O, Zhang et al. 2023).
+    others  see `kvjax.policies`.
+  num_sinks: sinks only (>= 1). recent: scored policies' always-kept newest
+    tokens (0: the policy's default; h2o given by name needs it >= 1).
+  options: further options of a policy given by name, as (key, value)
+    pairs (e.g. (("window", 16),) for snapkv), so that configs can set them;
+    moved into `evictor` on construction (then ()).
+  evictor: the policy object (derived; pass `eviction` instead).
   positions:
     original  keys are rotated once, at their position in the stream. Kept
               old tokens (sinks, heavy hitters) then sit at their full stream
               distance from the query, which a long stream pushes beyond any
               distance seen in training.
     cache     keys are stored before RoPE and rotated at attention time by
-              their rank inside the cache (StreamingLLM's choice), so the
-              cache always looks like positions 0..S-1. Costs one rotation of
+              their rank inside the cache (StreamingLLM's choice, and the
+              default for sinks in the experiments), so the cache always
+              looks like positions 0..S-1. Costs one rotation of
               every cached key of every layer per step: K·H numbers per slot
               for GQA, only the R-wide `k_rope` for MLA (the latent is
-              position-free); h2o also ranks the slots (a sort) per step.
-              Measured +13-18 % per GQA decode step, +5-8 % for MLA, at
-              S = 1024 (WORKSPACE.md). With window eviction both modes are
-              the same model (RoPE is relative).
+              position-free); scored policies also rank the slots (a sort)
+              per step. Measured +13-18 % per GQA decode step, +5-8 % for
+              MLA, at S = 1024 (WORKSPACE.md). With window eviction both
+              modes are the same model (RoPE is relative). Policies scoped
+              per layer or head need 'original'.
   kv_dtype: storage dtype; int8 stores symmetric per-token-per-head scales.
   key_quant (int8 only):
     token    keys quantized like values: one scale per token and head.
@@ -84,7 +97,7 @@ class CachePolicy:
              residual) and attention reads it from there; each decode step
              re-quantizes that one group, so a group's final int8 values
              come from its `key_group` full-precision tokens. Eviction
-             'none' only (window / sinks / h2o overwrite single slots
+             'none' only (other policies overwrite single slots
              inside a quantized group), capacity a multiple of key_group.
              MLA: both latent arrays (`c_kv`, `k_rope`) are quantized this
              way, since every key is computed from them (and its values
@@ -94,16 +107,22 @@ class CachePolicy:
 
   eviction: str = "none"
   num_sinks: int = 0
-  recent: int = 0  # h2o only: newest tokens always kept
+  recent: int = 0
   positions: str = "original"
   kv_dtype: str = "float32"
   key_quant: str = "token"
   key_group: int = 32
+  options: tuple = ()
+  evictor: policies.Policy | None = None
 
   def __post_init__(self):
-    if self.eviction not in EVICTIONS:
-      raise ValueError(
-          f"eviction={self.eviction!r} is not one of {EVICTIONS}")
+    set_ = lambda k, v: object.__setattr__(self, k, v)
+    set_("evictor", self._build_evictor())
+    ev = self.evictor
+    set_("eviction", ev.name)
+    set_("num_sinks", ev.pinned)
+    set_("recent", getattr(ev, "recent", 0))
+    set_("options", ())  # held by the evictor now
     if self.positions not in POSITION_MODES:
       raise ValueError(
           f"positions={self.positions!r} is not one of {POSITION_MODES}")
@@ -112,6 +131,11 @@ class CachePolicy:
     if self.key_quant not in KEY_QUANT:
       raise ValueError(
           f"key_quant={self.key_quant!r} is not one of {KEY_QUANT}")
+    if ev.scoped and self.positions != "original":
+      raise ValueError(
+          f"eviction {ev.name!r} with scope={ev.scope!r} keeps different "
+          "tokens per layer/head and needs positions='original' (cache "
+          "ranks are per sequence)")
     if self.key_quant == "channel":
       if self.kv_dtype != "int8":
         raise ValueError(f"key_quant='channel' quantizes keys to int8; it "
@@ -125,18 +149,38 @@ class CachePolicy:
       if not isinstance(self.key_group, int) or self.key_group < 1:
         raise ValueError(f"key_group must be an int >= 1, got "
                          f"{self.key_group!r}")
-    if self.num_sinks < 0:
-      raise ValueError(f"num_sinks must be >= 0, got {self.num_sinks}")
-    if self.num_sinks and self.eviction != "sinks":
-      raise ValueError(
-          f"num_sinks={self.num_sinks} needs eviction='sinks', "
-          f"got {self.eviction!r}")
-    if self.eviction == "sinks" and self.num_sinks < 1:
+
+  def _build_evictor(self) -> policies.Policy:
+    ev, n, recent = self.eviction, self.num_sinks, self.recent
+    if isinstance(ev, policies.Policy):
+      if n or recent or self.options:
+        raise ValueError("num_sinks / recent / options are options of a "
+                         "policy given by name; set them on the policy "
+                         f"object {ev!r}")
+      return ev
+    if ev not in policies.REGISTRY:
+      raise ValueError(f"eviction={ev!r} is not one of {EVICTIONS}")
+    if not isinstance(n, int) or n < 0:
+      raise ValueError(f"num_sinks must be >= 0, got {n}")
+    if n and ev != "sinks":
+      raise ValueError(f"num_sinks={n} needs eviction='sinks', got {ev!r}")
+    if ev == "sinks" and n < 1:
       raise ValueError("eviction='sinks' needs num_sinks >= 1")
-    if self.eviction == "h2o" and self.recent < 1:
+    scored = issubclass(policies.REGISTRY[ev], policies.Scored)
+    if recent and not scored:
+      raise ValueError(f"recent={recent} needs a scored eviction (h2o, "
+                       f"tova, ...), got {ev!r}")
+    if ev == "h2o" and recent < 1:
       raise ValueError("eviction='h2o' needs recent >= 1")
-    if self.recent and self.eviction != "h2o":
-      raise ValueError(f"recent={self.recent} needs eviction='h2o'")
+    opts = dict(self.options)
+    if ev == "sinks":
+      opts["num_sinks"] = n
+    if recent:
+      opts["recent"] = recent
+    old = self.evictor
+    if old is not None and old.name == ev:  # dataclasses.replace keeps it
+      return dataclasses.replace(old, **opts) if opts else old
+    return policies.make(ev, **opts)
 
   @property
   def quantized(self) -> bool:
@@ -150,7 +194,18 @@ class CachePolicy:
   @property
   def bounded(self) -> bool:
     """True when old tokens are evicted instead of overflowing."""
-    return self.eviction != "none"
+    return self.evictor.bounded
+
+  @property
+  def scored(self) -> bool:
+    """True for score-based eviction (a per-slot score state)."""
+    return self.evictor.scored
+
+  @property
+  def scoped(self) -> bool:
+    """True when layers (or heads) keep different tokens: positions are
+    then [L, B, K', S] (`kvjax.policies`)."""
+    return self.evictor.scoped
 
   def round_capacity(self, capacity: int) -> int:
     """The smallest valid capacity >= `capacity` (whole KIVI key groups)."""
@@ -161,16 +216,11 @@ class CachePolicy:
   def validate_capacity(self, capacity: int) -> None:
     if capacity < 1:
       raise ValueError(f"capacity must be >= 1, got {capacity}")
-    if self.eviction == "sinks" and capacity <= self.num_sinks:
-      raise ValueError(
-          f"capacity={capacity} must exceed num_sinks={self.num_sinks}")
+    self.evictor.validate_capacity(capacity)
     if self.channel_keys and capacity % self.key_group:
       raise ValueError(
           f"capacity={capacity} must be a multiple of key_group="
           f"{self.key_group} (key_quant='channel' quantizes whole groups)")
-    if self.eviction == "h2o" and capacity <= self.recent:
-      raise ValueError(
-          f"capacity={capacity} must exceed recent={self.recent} for h2o")
 
 
 @struct.dataclass
@@ -182,7 +232,10 @@ class KVCache:
   group instead, [L, B, K, S / key_group, H], and
   k_resid: [L, B, K, key_group, H] float32, the newest (incomplete) key
   group of each sequence in full precision (else None).
-  scores: [B, S] accumulated attention (h2o only, else None).
+  scores: slot scores of a scored policy (`kvjax.policies`), [B, S] for
+    a global one, [L, B, K', S] per layer / head; else None.
+  budget: [L, B, K'] int32 slots each scope may fill (scoped policies
+    only, else None). positions is then [L, B, K', S].
   errors: [B] int32 error bits (`kvjax.errors`; `init_cache` sets zeros).
   """
 
@@ -195,6 +248,7 @@ class KVCache:
   scores: jax.Array | None = None
   k_resid: jax.Array | None = None
   errors: jax.Array | None = None
+  budget: jax.Array | None = None
   policy: CachePolicy = struct.field(pytree_node=False,
                                      default=CachePolicy())
 
@@ -216,6 +270,8 @@ class LatentCache:
   [L, B, S / key_group, C] and [L, B, S / key_group, R], and
   c_resid [L, B, key_group, C], r_resid [L, B, key_group, R]: the newest
   group in float32 (else None).
+  scores, budget: as `KVCache` (the head axis K' is 1: the latent is
+    shared by every head).
   errors: [B] int32 error bits (`kvjax.errors`; `init_cache` sets zeros).
   """
 
@@ -229,6 +285,7 @@ class LatentCache:
   c_resid: jax.Array | None = None
   r_resid: jax.Array | None = None
   errors: jax.Array | None = None
+  budget: jax.Array | None = None
   policy: CachePolicy = struct.field(pytree_node=False,
                                      default=CachePolicy())
 
@@ -271,10 +328,19 @@ def init_cache(config: ModelConfig, batch: int, capacity: int,
   policy.validate_capacity(capacity)
   store = _storage_dtype(policy)
   L, B, S = config.num_layers, batch, capacity
-  positions = jnp.full((B, S), EMPTY, jnp.int32)
   length = jnp.zeros((B,), jnp.int32)
   errors = jnp.zeros((B,), jnp.int32)
-  scores = jnp.zeros((B, S), jnp.float32) if policy.eviction == "h2o" else None
+  ev = policy.evictor
+  if ev.scoped:
+    Kp = scope_heads(config, policy)
+    positions = jnp.full((L, B, Kp, S), EMPTY, jnp.int32)
+    scores = jnp.zeros((L, B, Kp, S), jnp.float32)
+    budget = jnp.broadcast_to(
+        jnp.asarray(ev.budgets(L, Kp, S), jnp.int32)[:, None], (L, B, Kp))
+  else:
+    positions = jnp.full((B, S), EMPTY, jnp.int32)
+    scores = jnp.zeros((B, S), jnp.float32) if ev.scored else None
+    budget = None
   q = policy.quantized
   if config.attention == "mla":
     C, R = config.kv_lora_rank, config.qk_rope_head_dim
@@ -292,7 +358,7 @@ def init_cache(config: ModelConfig, batch: int, capacity: int,
         c_kv=jnp.zeros((L, B, S, C), store),
         k_rope=jnp.zeros((L, B, S, R), store),
         positions=positions, length=length, scores=scores, policy=policy,
-        errors=errors, **extra)
+        errors=errors, budget=budget, **extra)
   K, H = config.num_kv_heads, config.head_dim
   k_scale = jnp.zeros((L, B, K, S), jnp.float32) if q else None
   k_resid = None
@@ -306,7 +372,20 @@ def init_cache(config: ModelConfig, batch: int, capacity: int,
       positions=positions, length=length,
       k_scale=k_scale,
       v_scale=jnp.zeros((L, B, K, S), jnp.float32) if q else None,
-      scores=scores, k_resid=k_resid, errors=errors, policy=policy)
+      scores=scores, k_resid=k_resid, errors=errors, budget=budget,
+      policy=policy)
+
+
+def scope_heads(config: ModelConfig, policy: CachePolicy) -> int:
+  """K': the head axis of a scoped policy's positions (1 per layer; K per
+  kv head). Raises ValueError for per-head eviction of MLA's latent."""
+  if policy.evictor.scope != "head":
+    return 1
+  if config.attention == "mla":
+    raise ValueError(
+        f"eviction {policy.eviction!r} with scope='head' evicts per kv head; "
+        "MLA's latent cache is shared by every head (use scope='layer')")
+  return config.num_kv_heads
 
 
 # ---- writes -----------------------------------------------------------------
@@ -315,7 +394,18 @@ def scatter_tokens(arr, layer, slots_BT, new_BT, slot_axis):
 
   slot_axis: 3 for the per-head arrays ([L, B, K, S, ...]), 2 for the
   latent ones ([L, B, S, ...]); new_BT is [B, T, ...] without the slot axis.
+  slots_BT may be [B, T, K] for the per-head arrays: head k of token t goes
+  to its own slot (per-head eviction; new_BT is then [B, T, K, ...]).
   """
+  if slots_BT.ndim == 3:
+    if slots_BT.shape[2] == 1:
+      slots_BT = slots_BT[:, :, 0]
+    else:
+      B, T, K = slots_BT.shape
+      b_BTK = jnp.broadcast_to(jnp.arange(B)[:, None, None], (B, T, K))
+      k_BTK = jnp.broadcast_to(jnp.arange(K)[None, None], (B, T, K))
+      return arr.at[layer, b_BTK, k_BTK, slots_BT].set(
+          new_BT.astype(arr.dtype), mode="drop")
   B, T = slots_BT.shape
   b_BT = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
   if slot_axis == 3:  # [L, B, K, S, ...]
@@ -388,7 +478,9 @@ def cache_bytes(cache: Cache) -> dict[str, int]:
               for x in jax.tree_util.tree_leaves(cache))
   kv = sum(int(np.prod(x.shape)) * x.dtype.itemsize
            for x in _storage_leaves(cache))
-  slots = cache.batch * cache.capacity
+  # A scoped cache's positions are [L, B, K', S]: the filled fraction of
+  # its slots is the fraction of filled (layer, head, slot) entries.
+  slots = cache.positions.size
   filled = int(jnp.sum(cache.positions >= 0))
   resid = sum(getattr(cache, f).nbytes
               for f in ("k_resid", "c_resid", "r_resid")
@@ -397,35 +489,21 @@ def cache_bytes(cache: Cache) -> dict[str, int]:
               per_token=kv // slots, residual=resid)
 
 
-# ---- slot arithmetic (the one place that maps stream positions to slots) ---
+# ---- slot arithmetic (positional policies: `kvjax.policies`) -------------
 def slot_of(policy: CachePolicy, capacity: int, position):
-  """Slot that stream `position` (int array) is written to.
-
-  none: the position itself; window: position mod S; sinks: the first
-  `num_sinks` positions pinned, the rest rotate through the other slots.
-  h2o has no closed form (the slot is chosen by score, see
-  `kvjax.eviction`); before the cache is full it fills slots in order.
-  """
-  if policy.eviction == "window":
-    return position % capacity
-  if policy.eviction == "sinks":
-    n = policy.num_sinks
-    return jnp.where(position < n, position,
-                     n + (position - n) % (capacity - n))
-  return position
+  """Slot that stream `position` (int array) is written to (positional
+  policies; a scored one fills slots in order until the cache is full)."""
+  ev = policy.evictor
+  return ev.slot_of(capacity, position) if ev.closed_form else position
 
 
 def kept_after(policy: CachePolicy, capacity: int, position, total):
-  """Whether `position` still holds its slot after `total` tokens are written.
-
-  True for the last writer of each slot. h2o prefill keeps the newest
-  `capacity` tokens (scores accrue from then on).
-  """
-  if policy.eviction == "none":
-    return position < capacity
-  if policy.eviction == "sinks":
-    n = policy.num_sinks
-    return (position < n) | (position >= total - (capacity - n))
+  """Whether `position` still holds its slot after `total` tokens are
+  written (True for the last writer of each slot; a global scored policy's
+  prefill keeps the newest `capacity` tokens)."""
+  ev = policy.evictor
+  if ev.closed_form:
+    return ev.kept_after(capacity, position, total)
   return position >= total - capacity
 
 
@@ -433,14 +511,13 @@ def visible(policy: CachePolicy, capacity: int, q_pos, k_pos):
   """Whether key position k_pos is in the cache when query q_pos attends.
 
   Mirrors the eviction rule so that a prompt processed in one pass sees
-  exactly what token-by-token decoding would see. Causality and emptiness
-  are checked by the caller.
+  exactly what token-by-token decoding would see (positional policies; a
+  scored policy's prompt attends in full). Causality and emptiness are
+  checked by the caller.
   """
-  if policy.eviction == "window":
-    return k_pos > q_pos - capacity
-  if policy.eviction == "sinks":
-    n = policy.num_sinks
-    return (k_pos < n) | (k_pos > q_pos - (capacity - n))
+  ev = policy.evictor
+  if ev.closed_form:
+    return ev.visible(capacity, q_pos, k_pos)
   return jnp.ones(jnp.broadcast_shapes(jnp.shape(q_pos), jnp.shape(k_pos)),
                   bool)
 
@@ -452,13 +529,11 @@ def cache_ranks(cache: Cache, length):
   always looks like a contiguous sequence 0..n-1 to RoPE (StreamingLLM).
   `length` [B] is the number of tokens seen including the newest.
   """
-  policy, S = cache.policy, cache.capacity
+  ev, S = cache.policy.evictor, cache.capacity
   pos = cache.positions
-  if policy.eviction in ("none", "window", "sinks"):
-    n = policy.num_sinks
-    shift = jnp.maximum(length - S, 0)[:, None]
-    rank = jnp.where(pos < n, pos, pos - shift)
-  else:  # h2o: no closed form; a slot's place in sorted order.
+  if ev.closed_form:
+    rank = ev.ranks(pos, length, S)
+  else:  # scored: no closed form; a slot's place in sorted order.
     # Empty slots (-1) sort first. Two argsorts are O(S log S) per step; the
     # pairwise count they replace took 78 ms per step at S = 4096 on CPU
     # (1.4 ms sorted).

@@ -118,7 +118,8 @@ def _check_fits(cache, n_new_max: int, *, fresh: bool, what: str):
         f"{what}: {start} cached + {n_new_max} new tokens exceed the cache "
         f"capacity {S} and eviction='none'; raise capacity or choose an "
         "eviction policy")
-  needs_room = policy.positions == "cache" or policy.eviction == "h2o"
+  needs_room = policy.positions == "cache" or (policy.scored and
+                                               not policy.scoped)
   if fresh and needs_room and n_new_max > S:
     raise ValueError(
         f"{what}: a {n_new_max}-token prompt does not fit capacity {S}; with "
@@ -261,8 +262,9 @@ def extend(params, config: ModelConfig, tokens, cache, attention_mask=None,
   """Appends a chunk of tokens to a cache that already holds a prefix.
 
   Keys are the cached tokens followed by the chunk (one compilation per chunk
-  length). Not available with h2o or cache-position mode (their slot and
-  rotation rules are per token: use `decode_step`).
+  length). Not available with scored eviction (h2o, tova, ...: their slot
+  choice is per token) or cache-position mode (its rotation rule is per
+  token): use `decode_step`.
   Returns:
     (logits [B, V] or [B, T, V], new_cache)
   """
@@ -272,7 +274,7 @@ def extend(params, config: ModelConfig, tokens, cache, attention_mask=None,
   _check_cache(cache, config, tokens.shape[0])
   errors.raise_if_set(cache, "extend: the cache passed in")
   policy = cache.policy
-  if policy.eviction == "h2o" or policy.positions == "cache":
+  if policy.scored or policy.positions == "cache":
     raise ValueError(f"extend does not support eviction={policy.eviction!r} /"
                      f" positions={policy.positions!r}; use decode_step")
   mask = check_mask(attention_mask, tokens)
@@ -305,10 +307,11 @@ def prefill_chunked(params, config: ModelConfig, tokens, cache,
   mask = jnp.pad(mask, ((0, 0), (pad, 0)))
   n_max = int(np.asarray(mask).sum(axis=1).max())
   _check_fits(cache, n_max, fresh=True, what="prefill_chunked")
-  if cache.policy.eviction == "h2o" or cache.policy.positions == "cache":
+  if cache.policy.scored or cache.policy.positions == "cache":
     if T + pad > chunk_size:
-      raise ValueError("prefill_chunked with h2o or positions='cache' needs "
-                       "the prompt to fit one chunk")
+      raise ValueError(f"prefill_chunked with eviction="
+                       f"{cache.policy.eviction!r} (scored) or positions="
+                       "'cache' needs the prompt to fit one chunk")
   _check_cache(cache, config, B)
   errors.raise_if_set(cache, "prefill_chunked: the cache passed in")
   logits, cache = _prefill(params, config, tokens[:, :chunk_size],

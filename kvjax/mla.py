@@ -22,7 +22,8 @@ import jax.numpy as jnp
 
 from kvjax import kivi
 from kvjax import quant
-from kvjax.attention import Step, accumulate_scores, project_out
+from kvjax.attention import (Step, compress_prompt, layer_mask, layer_slots,
+                             observe_scores, project_out)
 from kvjax.cache import LatentCache, scatter_tokens
 from kvjax.config import ModelConfig
 from kvjax.layers import apply_rope, linear_t, linear_t_heads, rms_norm
@@ -72,15 +73,16 @@ def read_latent(cache: LatentCache, layer, dtype, prefix: int = 0):
           quant.dequantize(cache.k_rope[layer, :, :P], r_s, dtype))
 
 
-def _softmax(logits_BNTS, mask_BTS):
+def _softmax(logits_BNTS, mask_B1TS):
   big_neg = jnp.finfo(jnp.float32).min
-  logits_BNTS = jnp.where(mask_BTS[:, None], logits_BNTS, big_neg)
+  logits_BNTS = jnp.where(mask_B1TS, logits_BNTS, big_neg)
   return jax.nn.softmax(logits_BNTS, axis=-1)
 
 
-def latent_attend(p, q_nope_BTNP, q_rope_BTNR, c_BSC, r_BSR, mask_BTS,
+def latent_attend(p, q_nope_BTNP, q_rope_BTNR, c_BSC, r_BSR, mask_B1TS,
                   scale: float, path: str):
-  """Attention of per-head queries over latents.
+  """Attention of per-head queries over latents (mask [B, 1, T, S]: the
+  latent is shared by every head).
 
   Returns:
     out_BTNV (per-head values before the output projection), probs_BNTS.
@@ -109,7 +111,7 @@ def latent_attend(p, q_nope_BTNP, q_rope_BTNR, c_BSC, r_BSR, mask_BTS,
                      preferred_element_type=f32) +
           jnp.einsum("BTNR,BSR->BNTS", q_rope_BTNR, r_BSR,
                      preferred_element_type=f32))
-    probs_BNTS = _softmax(logits_BNTS * scale, mask_BTS)
+    probs_BNTS = _softmax(logits_BNTS * scale, mask_B1TS)
     o_lat_BTNC = jnp.einsum("BNTS,BSC->BTNC", probs_BNTS.astype(dtype), c_BSC)
     if packed:
       out_BTNV = linear_t_heads(o_lat_BTNC, p["w_uv_t"])
@@ -126,7 +128,7 @@ def latent_attend(p, q_nope_BTNP, q_rope_BTNR, c_BSC, r_BSR, mask_BTS,
                            preferred_element_type=f32)
     nope_BNTS = jnp.einsum("BTNP,BSNP->BNTS", q_nope_BTNP, k_nope_BSNP,
                            preferred_element_type=f32)
-    probs_BNTS = _softmax((nope_BNTS + rope_BNTS) * scale, mask_BTS)
+    probs_BNTS = _softmax((nope_BNTS + rope_BNTS) * scale, mask_B1TS)
     out_BTNV = jnp.einsum("BNTS,BSNV->BTNV", probs_BNTS.astype(dtype), v_BSNV)
   return out_BTNV.astype(dtype), probs_BNTS
 
@@ -169,9 +171,11 @@ def mla_attention(p, x_BTD, step: Step, cache, layer, config: ModelConfig):
   r_store_BTR = r_BTR if pre_rope else r_rot_BTR
 
   path = "naive"
+  compress = step.mode == "prefill" and cache.policy.scoped
   if step.mode == "decode":
     path = config.mla_decode
-    cache = write_latent(cache, layer, step.slots, c_BTC, r_store_BTR)
+    cache = write_latent(cache, layer, layer_slots(step, layer), c_BTC,
+                         r_store_BTR)
     c_BSC, r_BSR = read_latent(cache, layer, dtype, step.attend)
     if pre_rope:
       # Only the shared rotary key is position-dependent: the latent part
@@ -183,13 +187,28 @@ def mla_attention(p, x_BTD, step: Step, cache, layer, config: ModelConfig):
       c_old, r_old = read_latent(cache, layer, dtype)
       c_BSC = jnp.concatenate([c_old, c_BSC], axis=1)
       r_BSR = jnp.concatenate([r_old, r_BSR], axis=1)
-    if step.mode in ("prefill", "extend"):
+    if step.mode in ("prefill", "extend") and not compress:
       cache = write_latent(cache, layer, step.slots, c_BTC, r_store_BTR,
                            fresh=step.mode == "prefill")
 
+  mask_B1TS = layer_mask(step, layer)
   out_BTNV, probs_BNTS = latent_attend(p, q_nope_BTNP, q_rope_BTNR, c_BSC,
-                                       r_BSR, step.mask, config.softmax_scale,
-                                       path)
-  if cache is not None:
-    cache = accumulate_scores(cache, probs_BNTS[:, :, None], step)
+                                       r_BSR, mask_B1TS,
+                                       config.softmax_scale, path)
+  if cache is not None and (compress or step.want_scores):
+    # MLA's keys, as a scored policy sees them: the latent entry [c | r]
+    # (one "kv head"); its probabilities per query head (G = 1).
+    k_B1SJ = jnp.concatenate([c_BSC, r_BSR], axis=-1)[:, None]
+    probs_BNGTS = probs_BNTS[:, :, None]
+    if compress:
+      idx_B1S, cache = compress_prompt(cache, probs_BNGTS, k_B1SJ, step,
+                                       layer)
+      S = cache.capacity
+      idx_BS = jnp.minimum(idx_B1S[:, 0], T - 1)
+      slots_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+      pick = lambda x: jnp.take_along_axis(x, idx_BS[..., None], axis=1)
+      cache = write_latent(cache, layer, slots_BS, pick(c_BTC),
+                           pick(r_store_BTR), fresh=True)
+    else:
+      cache = observe_scores(cache, probs_BNGTS, k_B1SJ, step, layer)
   return project_out(p, out_BTNV), cache

@@ -331,8 +331,12 @@ def stream_positions(attention_mask_BT, offset_B=None):
 
 def _causal(q_pos_BT, k_pos_BS, config: ModelConfig):
   """[B, T, S]: key exists, is not in the future, and is inside the model's
-  own sliding window (if any)."""
-  q, k = q_pos_BT[:, :, None], k_pos_BS[:, None, :]
+  own sliding window (if any). With a scoped decode step's q_pos [B, 1, 1]
+  and positions [L, B, K', S]: [L, B, K', 1, S]."""
+  if k_pos_BS.ndim == 4:
+    q, k = q_pos_BT[None, :, :, :, None], k_pos_BS[:, :, :, None, :]
+  else:
+    q, k = q_pos_BT[:, :, None], k_pos_BS[:, None, :]
   ok = (k >= 0) & (q >= 0) & (k <= q)
   if config.sliding_window:
     ok &= k > q - config.sliding_window
@@ -361,9 +365,10 @@ def prefill_step(config: ModelConfig, attention_mask_BT, cache) -> Step:
                                              total_B[:, None])
   slots = jnp.where(keep, cache_lib.slot_of(policy, S, q_pos), S)
   cos, sin = _rope(config, q_pos)
+  check_scores_available(config, policy)
   return Step(q_pos=q_pos, mask=mask, cos_q=cos, sin_q=sin,
               slots=slots.astype(jnp.int32), mode="prefill",
-              want_scores=policy.eviction == "h2o")
+              want_scores=policy.scored)
 
 
 def extend_step(config: ModelConfig, attention_mask_BT, cache) -> Step:
@@ -382,18 +387,48 @@ def extend_step(config: ModelConfig, attention_mask_BT, cache) -> Step:
               slots=slots.astype(jnp.int32), mode="extend")
 
 
+def check_scores_available(config: ModelConfig, policy) -> None:
+  """Raises ValueError when a policy needs attention probabilities that the
+  configured attention implementation does not return (fused kernels):
+  its scores would silently be zeros."""
+  if policy.evictor.needs == "attention" and config.attention_impl in (
+      "jax_nn", "cudnn"):
+    raise ValueError(
+        f"eviction {policy.eviction!r} scores slots by attention "
+        f"probabilities, which attention_impl={config.attention_impl!r} "
+        "does not return; use attention_impl='einsum' or a policy that "
+        "needs no probabilities (knorm, window, sinks)")
+
+
 def decode_slots(cache):
-  """[B] slot the next token of each sequence is written to."""
+  """Slot the next token of each sequence is written to: [B], or
+  [L, B, K'] for a scoped policy (every layer / head its own)."""
   policy, S = cache.policy, cache.capacity
-  if policy.eviction != "h2o":
+  ev = policy.evictor
+  if ev.closed_form:
     return cache_lib.slot_of(policy, S, cache.length)
-  from kvjax import eviction  # pylint: disable=g-import-not-at-top
-  return eviction.h2o_slot(cache)
+  if cache.positions.ndim == 4:  # [L, B, K', S]
+    return ev.victims(cache.scores, cache.positions,
+                      cache.length[None, :, None], cache.budget)
+  return ev.victims(cache.scores, cache.positions, cache.length,
+                    jnp.full_like(cache.length, S))
 
 
 def commit_positions(cache, q_pos_BT, slots_BT, new_length_B,
                      reset_scores: bool = True):
-  """Records which position each written slot now holds, and the lengths."""
+  """Records which position each written slot now holds, and the lengths.
+
+  slots_BT may be a scoped decode step's [L, B, K'] (T = 1)."""
+  if slots_BT.ndim == 3:  # scoped decode: every layer / head its own slot
+    L, B, Kp = slots_BT.shape
+    l_, b_, k_ = jnp.meshgrid(jnp.arange(L), jnp.arange(B), jnp.arange(Kp),
+                              indexing="ij")
+    q_LBK = jnp.broadcast_to(q_pos_BT[:, 0][None, :, None], (L, B, Kp))
+    new = dict(positions=cache.positions.at[l_, b_, k_, slots_BT].set(q_LBK),
+               length=new_length_B.astype(jnp.int32))
+    if reset_scores:
+      new["scores"] = cache.scores.at[l_, b_, k_, slots_BT].set(0.0)
+    return cache.replace(**new)
   B, T = slots_BT.shape
   b_BT = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
   positions = cache.positions.at[b_BT, slots_BT].set(q_pos_BT, mode="drop")
@@ -440,11 +475,23 @@ def decode_step_info(config: ModelConfig, cache, attend: int = 0,
           "the filled slots a prefix")
     if not 0 < attend <= S:
       raise ValueError(f"attend={attend} must be in (0, capacity={S}]")
+  check_scores_available(config, cache.policy)
   q_pos_B = cache.length
-  slots_B = decode_slots(cache).astype(jnp.int32)
-  cache = commit_positions(cache, q_pos_B[:, None], slots_B[:, None],
+  slots = decode_slots(cache).astype(jnp.int32)
+  scoped = slots.ndim == 3
+  cache = commit_positions(cache, q_pos_B[:, None],
+                           slots if scoped else slots[:, None],
                            cache.length + 1)
-  mask = _causal(q_pos_B[:, None], cache.positions[:, :attend or S], config)
+  if cache.scores is not None and not cache.policy.evictor.accumulate:
+    # Scores are this step's observation only (TOVA, Knorm).
+    cache = cache.replace(scores=jnp.zeros_like(cache.scores))
+  if scoped:  # [L, B, K', 1, S]: every layer / head its own cached tokens
+    mask = _causal(q_pos_B[:, None, None], cache.positions, config)
+    slots_B = slots
+  else:
+    mask = _causal(q_pos_B[:, None], cache.positions[:, :attend or S],
+                   config)
+    slots_B = slots
   if cache.policy.positions == "cache":
     ranks_BS = cache_lib.cache_ranks(cache, cache.length)
     cos_k, sin_k = _rope(config, ranks_BS)
@@ -455,8 +502,8 @@ def decode_step_info(config: ModelConfig, cache, attend: int = 0,
     cos_q, sin_q = rope if rope is not None else _rope(config,
                                                        q_pos_B[:, None])
   return Step(q_pos=q_pos_B[:, None], mask=mask, cos_q=cos_q, sin_q=sin_q,
-              slots=slots_B[:, None], cos_k=cos_k, sin_k=sin_k, mode="decode",
-              want_scores=cache.policy.eviction == "h2o",
+              slots=slots_B if scoped else slots_B[:, None], cos_k=cos_k,
+              sin_k=sin_k, mode="decode", want_scores=cache.policy.scored,
               attend=attend), cache
 
 
@@ -474,14 +521,15 @@ def _input_errors(config, tokens_BT, attention_mask_BT, cache, total_B,
   """[B] error bits of a prefill / extend chunk (`kvjax.errors`): ids out of
   range, a mask that is not left padding (or, unless `allow_empty`, has no
   token), more tokens than the cache holds (eviction 'none'; for a prompt
-  also h2o and cache-position mode, whose prefill needs the whole prompt in
-  the cache)."""
+  also global scored policies and cache-position mode, whose prefill needs
+  the whole prompt in the cache; scoped policies compress it)."""
   bits = (errors.token_errors(tokens_BT, config.vocab_size,
                               attention_mask_BT) |
           errors.mask_errors(attention_mask_BT, allow_empty) |
           errors.overflow_errors(cache.policy, cache.capacity, total_B))
   policy = cache.policy
-  if prompt and (policy.positions == "cache" or policy.eviction == "h2o"):
+  if prompt and (policy.positions == "cache" or
+                 (policy.scored and not policy.scoped)):
     bits |= jnp.where(total_B > cache.capacity, errors.OVERFLOW, 0)
   return bits
 
@@ -504,14 +552,25 @@ def prefill_logits(params, config, tokens_BT, attention_mask_BT, cache,
   step = prefill_step(config, attention_mask_BT, cache)
   if cache.scores is not None:
     cache = cache.replace(scores=jnp.zeros_like(cache.scores))
+  if cache.budget is not None:  # the policy's budgets, before any allotment
+    L, B, Kp, S = cache.positions.shape
+    budget = cache.policy.evictor.budgets(L, Kp, S)
+    cache = cache.replace(budget=jnp.broadcast_to(
+        jnp.asarray(budget, jnp.int32)[:, None], (L, B, Kp)))
+  if cache.policy.scoped:  # each layer writes what it keeps
+    cache = cache.replace(
+        positions=jnp.full_like(cache.positions, cache_lib.EMPTY))
   x_BTD, cache = run_layers(params, embed(params, tokens_BT, config), step,
                             cache, config)
-  empty = jnp.full_like(cache.positions, cache_lib.EMPTY)
-  cache = cache.replace(positions=empty)
-  # Prefill scores were accumulated by the layers: keep them.
   total_B = jnp.sum(attention_mask_BT, axis=1)
-  cache = commit_positions(cache, step.q_pos, step.slots, total_B,
-                           reset_scores=False)
+  if cache.policy.scoped:
+    cache = cache.replace(length=total_B.astype(jnp.int32))
+  else:
+    empty = jnp.full_like(cache.positions, cache_lib.EMPTY)
+    cache = cache.replace(positions=empty)
+    # Prefill scores were accumulated by the layers: keep them.
+    cache = commit_positions(cache, step.q_pos, step.slots, total_B,
+                             reset_scores=False)
   cache = errors.record(cache, _input_errors(
       config, tokens_BT, attention_mask_BT, cache, total_B, prompt=True,
       allow_empty=first_chunk))

@@ -153,8 +153,15 @@ def cache_axes(cache) -> Any:
           k_resid=("layers", "batch", "kv_heads", None, "head_dim"))
   else:
     raise ValueError(f"not a kvjax cache: {type(cache).__name__}")
-  fields.update(positions=("batch", "cache_seq"), length=("batch",),
-                scores=("batch", "cache_seq"), errors=("batch",))
+  if cache.positions.ndim == 4:  # a scoped policy: [L, B, K', S]
+    heads = "kv_heads" if cache.positions.shape[2] > 1 else None
+    scoped = ("layers", "batch", heads, "cache_seq")
+    fields.update(positions=scoped, scores=scoped,
+                  budget=("layers", "batch", heads))
+  else:
+    fields.update(positions=("batch", "cache_seq"),
+                  scores=("batch", "cache_seq"))
+  fields.update(length=("batch",), errors=("batch",))
   return cache.replace(**{name: (axes if getattr(cache, name) is not None
                                  else None)
                           for name, axes in fields.items()})

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import cache as cache_lib
+from kvjax import policies
 from kvjax import errors
 from kvjax import inference
 from kvjax import model
@@ -290,8 +291,10 @@ def recompute_nll(params, config: ModelConfig, tokens, window: int, *,
 
 
 # ---- policies by name -----------------------------------------------------------
-_NAME = re.compile(r"^(dense|window|sinks(\d+)|h2o|recompute)"
-                   r"(?::(original|cache))?$")
+_SCORED = tuple(n for n, cls in policies.REGISTRY.items()
+                if issubclass(cls, policies.Scored))
+_NAME = re.compile(r"^(dense|window|sinks(\d+)|recompute|"
+                   + "|".join(_SCORED) + r")(?::(original|cache))?$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,8 +302,11 @@ class StreamPolicy:
   """One row of the streaming table.
 
   name: e.g. 'dense', 'window', 'sinks4', 'sinks4:original', 'h2o',
-    'h2o:original', 'recompute'. Sinks and h2o default to cache positions
-    (StreamingLLM's choice), window and dense to original positions.
+    'h2o:original', 'tova', 'snapkv', 'recompute': any scored policy of
+    `kvjax.policies` by name, with its defaults and `recent` = S / 2. Sinks
+    and global scored policies default to cache positions (StreamingLLM's
+    choice), window, dense and per-layer/head policies to original
+    positions.
   policy: the CachePolicy (None for recompute).
   capacity: cache slots (the stream length for dense; the recompute window).
   """
@@ -313,7 +319,7 @@ class StreamPolicy:
   def fast_path(self) -> bool:
     """Whether `extend_nll` (parallel chunks) computes this row exactly."""
     p = self.policy
-    return (p is not None and p.eviction != "h2o" and
+    return (p is not None and not p.scored and
             p.positions == "original")
 
 
@@ -324,13 +330,15 @@ def parse_policy(name: str, capacity: int, stream_len: int,
   Args:
     capacity: S, equal for every bounded row (and the recompute window).
     stream_len: N; the dense cache gets N slots.
-    h2o_recent: h2o's always-kept recent tokens (0: capacity // 2).
+    h2o_recent: a scored policy's always-kept recent tokens (0:
+      capacity // 2).
   """
   m = _NAME.match(name)
   if not m:
     raise ValueError(
-        f"policy name {name!r} is not one of dense, window, sinks<n>, h2o, "
-        "recompute (optionally ':original' or ':cache')")
+        f"policy name {name!r} is not one of dense, window, sinks<n>, "
+        f"recompute, {', '.join(_SCORED)} (optionally ':original' or "
+        "':cache')")
   kind, sinks, positions = m.group(1), m.group(2), m.group(3)
   if kind == RECOMPUTE:
     if positions:
@@ -344,10 +352,10 @@ def parse_policy(name: str, capacity: int, stream_len: int,
     return StreamPolicy(name, pol, stream_len)
   if kind == "window":
     pol = cache_lib.CachePolicy("window", positions=positions or "original")
-  elif kind == "h2o":
+  elif kind in _SCORED:
+    ev = policies.make(kind, recent=h2o_recent or max(capacity // 2, 1))
     pol = cache_lib.CachePolicy(
-        "h2o", recent=h2o_recent or max(capacity // 2, 1),
-        positions=positions or "cache")
+        ev, positions=positions or ("original" if ev.scoped else "cache"))
   else:
     pol = cache_lib.CachePolicy("sinks", num_sinks=int(sinks),
                                 positions=positions or "cache")
@@ -460,21 +468,26 @@ def markdown_table(table: list[dict]) -> str:
 
 
 def plot_perplexity(curves: dict, path, *, capacity: int, train_len: int = 0,
-                    title: str = ""):
+                    title: str = "", bin_size: int = 0):
   """Perplexity against position, one line per policy (PNG, log y axis).
 
   Args:
     curves: name -> (centres, ppl) from `perplexity_by_position`.
     capacity: S, marked as a vertical line (eviction starts there).
     train_len: the model's training context, marked when > 0.
+    bin_size: positions per bin, stated on the x axis when > 0.
   """
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   fig, ax = plt.subplots(figsize=(8, 4.5))
   for name, (x, y) in curves.items():
-    ax.plot(x, y, label=name, lw=1.3)
+    ax.plot(x, y, label=name, lw=1.3, marker="o", ms=2.5)
   ax.set_yscale("log")
+  from matplotlib.ticker import ScalarFormatter  # pylint: disable=g-import-not-at-top
+  for axis_ticks in (ax.yaxis.set_major_formatter,
+                     ax.yaxis.set_minor_formatter):
+    axis_ticks(ScalarFormatter())
   marks = {capacity: f"S={capacity}"}
   if train_len:
     marks[train_len] = (f"S = train context = {train_len}"
@@ -485,10 +498,12 @@ def plot_perplexity(curves: dict, path, *, capacity: int, train_len: int = 0,
     # x in data units, y in axes fraction (robust to the log scale).
     ax.text(x, 0.98, f" {text}", transform=ax.get_xaxis_transform(),
             va="top", fontsize=8, color="grey")
-  ax.set_xlabel("position in the stream (tokens)")
-  ax.set_ylabel("perplexity (per byte-token), binned")
-  ax.set_title(title, fontsize=10)
-  ax.legend(fontsize=8, ncol=2)
+  ax.set_xlabel("position in the stream (tokens)" + (
+      f"; one point per bin of {bin_size} positions (the last may hold "
+      "fewer)" if bin_size else ""))
+  ax.set_ylabel("perplexity per token, exp(mean NLL) in the bin")
+  ax.set_title(title, fontsize=9, wrap=True)
+  ax.legend(fontsize=8, ncol=2, title="cache policy", title_fontsize=8)
   ax.grid(alpha=0.3, which="both")
   fig.tight_layout()
   fig.savefig(path, dpi=120)
