@@ -188,21 +188,25 @@ def read_kv(cache: cache_lib.KVCache, layer, dtype, prefix: int = 0):
   return quant.dequantize(cache.k[layer, :, :, :P], k_scale, dtype), v_BKSH
 
 
-def observe_scores(cache, probs_BKGTS, k_BKSH, step: Step, layer):
+def observe_scores(cache, probs_BKGTS, k_BKSH, mask_BKTS, step: Step,
+                   layer):
   """Folds what one layer call shows a scored policy into `cache.scores`
   (`kvjax.policies`: attention received, key norms, ...).
 
   probs_BKGTS: the call's attention probabilities (None from fused
   attention; policies that need them are refused before compute).
   k_BKSH: the call's keys as attended (K = N, G = 1 for MLA's per-head
-  keys). A global policy's scores [B, S] sum over layers and heads; a
-  scoped one's [L, B, K', S] hold each layer's (and head's) own.
+  keys); mask_BKTS: the call's mask (its last query row tells which keys
+  hold a visible token). A global policy's scores [B, S] sum over layers
+  and heads; a scoped one's [L, B, K', S] hold each layer's (and head's)
+  own.
   """
   if not step.want_scores:
     return cache
   ev = cache.policy.evictor
   S = cache.capacity
-  seen_BKS = ev.observe(probs_BKGTS, k_BKSH, step.mode)
+  seen_BKS = ev.observe(probs_BKGTS, k_BKSH, mask_BKTS[:, :, -1],
+                        step.mode)
   if cache.scores.ndim == 4:  # scoped: this layer's own
     seen_BKS = policies_base.reduce_heads(seen_BKS, cache.scores.shape[2])
     return cache.replace(scores=cache.scores.at[layer].add(seen_BKS))
@@ -217,13 +221,15 @@ def observe_scores(cache, probs_BKGTS, k_BKSH, step: Step, layer):
   return cache.replace(scores=cache.scores + seen_BS)
 
 
-def compress_prompt(cache, probs_BKGTS, k_BKTH, step: Step, layer):
+def compress_prompt(cache, probs_BKGTS, k_BKTH, mask_BKTT, step: Step,
+                    layer):
   """A scoped policy's prefill for one layer: which prompt tokens this
   layer (and each head) keeps, packed into slots 0..n-1 in stream order.
 
   Args:
     cache: the cache being prefilled (scoped policy).
-    probs_BKGTS, k_BKTH: the prompt's attention and keys in this layer.
+    probs_BKGTS, k_BKTH, mask_BKTT: the prompt's attention, keys and
+      mask in this layer.
     step: the prefill step (q_pos [B, T]).
   Returns:
     (idx_BKS, cache): for every scope and slot, the prompt index of the
@@ -237,7 +243,7 @@ def compress_prompt(cache, probs_BKGTS, k_BKTH, step: Step, layer):
   real_BT = q_pos_BT >= 0
   total_B = jnp.sum(real_BT, axis=1)
   score_BKT = policies_base.reduce_heads(
-      ev.observe(probs_BKGTS, k_BKTH, "prefill"), Kp)
+      ev.observe(probs_BKGTS, k_BKTH, mask_BKTT[:, :, -1], "prefill"), Kp)
   protected_BT = ev.protected(q_pos_BT, total_B[:, None])
   budget_BK = cache.budget[layer]
   keep_BKT = ev.prefill_keep(score_BKT, protected_BT, real_BT, budget_BK, S)
@@ -349,14 +355,15 @@ def gqa_attention(p, x_BTD, step: Step, cache, layer, config: ModelConfig):
                             config.softmax_scale, config.attention_impl)
   if compress:
     # Every layer sees the whole prompt; it keeps what its policy chooses.
-    idx_BKS, cache = compress_prompt(cache, probs, k_BKSH, step, layer)
+    idx_BKS, cache = compress_prompt(cache, probs, k_BKSH, mask_BKTS, step,
+                                     layer)
     S = cache.capacity
     slots_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
     cache = write_kv(cache, layer, slots_BS,
                      gather_tokens(k_store_BTKH, idx_BKS),
                      gather_tokens(v_BTKH, idx_BKS), fresh=True)
   elif cache is not None:
-    cache = observe_scores(cache, probs, k_BKSH, step, layer)
+    cache = observe_scores(cache, probs, k_BKSH, mask_BKTS, step, layer)
   return project_out(p, out_BTKGH.reshape(B, T, N, H)), cache
 
 

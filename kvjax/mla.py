@@ -201,8 +201,8 @@ def mla_attention(p, x_BTD, step: Step, cache, layer, config: ModelConfig):
     k_B1SJ = jnp.concatenate([c_BSC, r_BSR], axis=-1)[:, None]
     probs_BNGTS = probs_BNTS[:, :, None]
     if compress:
-      idx_B1S, cache = compress_prompt(cache, probs_BNGTS, k_B1SJ, step,
-                                       layer)
+      idx_B1S, cache = compress_prompt(cache, probs_BNGTS, k_B1SJ,
+                                       mask_B1TS, step, layer)
       S = cache.capacity
       idx_BS = jnp.minimum(idx_B1S[:, 0], T - 1)
       slots_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
@@ -210,5 +210,6 @@ def mla_attention(p, x_BTD, step: Step, cache, layer, config: ModelConfig):
       cache = write_latent(cache, layer, slots_BS, pick(c_BTC),
                            pick(r_store_BTR), fresh=True)
     else:
-      cache = observe_scores(cache, probs_BNGTS, k_B1SJ, step, layer)
+      cache = observe_scores(cache, probs_BNGTS, k_B1SJ, mask_B1TS, step,
+                             layer)
   return project_out(p, out_BTNV), cache

@@ -52,8 +52,8 @@ class AdaKV(Scored):
     if not 0 <= self.floor <= 1:
       raise ValueError(f"adakv: floor must be in [0, 1], got {self.floor!r}")
 
-  def observe(self, probs_BKGTS, k_BKSH, mode):
-    return self.inner.observe(probs_BKGTS, k_BKSH, mode)
+  def observe(self, probs_BKGTS, k_BKSH, valid_BKS, mode):
+    return self.inner.observe(probs_BKGTS, k_BKSH, valid_BKS, mode)
 
   def average_budget(self, capacity: int) -> int:
     return max(int(round(self.fraction * capacity)), self.recent + 1)

@@ -148,14 +148,16 @@ class Scored(Policy):
                        f"{self.recent} for {self.name}")
 
   # ---- scores -------------------------------------------------------------
-  def observe(self, probs_BKGTS, k_BKSH, mode: str):
+  def observe(self, probs_BKGTS, k_BKSH, valid_BKS, mode: str):
     """[B, K, S'] score each key of one layer call earns (float32).
 
     probs_BKGTS: the call's attention probabilities (None when the
       attention implementation returns none; `needs='attention'` policies
       are refused before that can happen). k_BKSH: the call's keys as
-      attended. mode: 'prefill' (keys = the prompt) or 'decode' (keys = the
-      cache slots).
+      attended. valid_BKS: which of them hold a token the newest query may
+      attend (K may be 1: shared by the heads); scores of the others are
+      never read. mode: 'prefill' (keys = the prompt) or 'decode' (keys =
+      the cache slots).
     """
     raise NotImplementedError
 

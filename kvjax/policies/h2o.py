@@ -18,5 +18,5 @@ from kvjax.policies.base import Scored, attention_received
 class H2O(Scored):
   name = "h2o"
 
-  def observe(self, probs_BKGTS, k_BKSH, mode):
+  def observe(self, probs_BKGTS, k_BKSH, valid_BKS, mode):
     return attention_received(probs_BKGTS)

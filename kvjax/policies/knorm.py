@@ -21,6 +21,6 @@ class Knorm(Scored):
   accumulate: ClassVar[bool] = False
   scope: str = "head"
 
-  def observe(self, probs_BKGTS, k_BKSH, mode):
+  def observe(self, probs_BKGTS, k_BKSH, valid_BKS, mode):
     k = k_BKSH.astype(jnp.float32)
     return -jnp.sqrt(jnp.sum(k * k, axis=-1))

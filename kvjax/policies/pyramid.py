@@ -45,8 +45,8 @@ class Pyramid(Scored):
     if not self.beta >= 1:
       raise ValueError(f"pyramid: beta must be >= 1, got {self.beta!r}")
 
-  def observe(self, probs_BKGTS, k_BKSH, mode):
-    return self.inner.observe(probs_BKGTS, k_BKSH, mode)
+  def observe(self, probs_BKGTS, k_BKSH, valid_BKS, mode):
+    return self.inner.observe(probs_BKGTS, k_BKSH, valid_BKS, mode)
 
   def average_budget(self, capacity: int) -> float:
     return capacity / (2 - 1 / self.beta)

@@ -40,7 +40,7 @@ class SnapKV(Scored):
       raise ValueError(f"snapkv: pool_size must be an odd int >= 1, got "
                        f"{self.pool_size!r}")
 
-  def observe(self, probs_BKGTS, k_BKSH, mode):
+  def observe(self, probs_BKGTS, k_BKSH, valid_BKS, mode):
     if mode != "prefill":
       return attention_received(probs_BKGTS)
     votes_BKS = attention_received(probs_BKGTS, queries=self.window)

@@ -18,5 +18,5 @@ class TOVA(Scored):
   accumulate: ClassVar[bool] = False
   scope: str = "layer"
 
-  def observe(self, probs_BKGTS, k_BKSH, mode):
+  def observe(self, probs_BKGTS, k_BKSH, valid_BKS, mode):
     return attention_received(probs_BKGTS, queries=1)
