@@ -50,6 +50,7 @@ def _cases():
         policies.Knorm(recent=RECENT, scope=head),
         policies.SnapKV(recent=RECENT, window=4, scope=head),
         policies.Pyramid(inner=policies.H2O(), recent=RECENT, beta=4.0),
+        policies.KeyDiff(recent=RECENT, scope=head),
 
     ]
     if variant == "gqa":
@@ -352,12 +353,31 @@ class FusedAttentionTest(parameterized.TestCase):
     fused = dataclasses.replace(config, attention_impl="jax_nn")
     params = tiny_params("gqa")
     prompt = _tokens(config, (2, T), seed=7)
-    pol = cache_lib.CachePolicy(policies.Knorm(recent=RECENT))
-    a = kvjax.generate(params, config, prompt, max_new_tokens=4,
-                       capacity=CAPACITY, policy=pol)
-    b = kvjax.generate(params, fused, prompt, max_new_tokens=4,
-                       capacity=CAPACITY, policy=pol)
-    np.testing.assert_array_equal(a, b)
+    for p in (policies.Knorm(recent=RECENT), policies.KeyDiff(recent=RECENT)):
+      pol = cache_lib.CachePolicy(p)
+      a = kvjax.generate(params, config, prompt, max_new_tokens=4,
+                         capacity=CAPACITY, policy=pol)
+      b = kvjax.generate(params, fused, prompt, max_new_tokens=4,
+                         capacity=CAPACITY, policy=pol)
+      np.testing.assert_array_equal(a, b, err_msg=p.name)
+
+
+class KeyDiffTest(parameterized.TestCase):
+
+  def test_scores_are_minus_cosine_to_the_mean_key(self):
+    rng = np.random.default_rng(0)
+    k = rng.normal(size=(2, 3, 5, 4)).astype(np.float32)
+    valid = rng.random((2, 3, 5)) < 0.7
+    valid[..., 0] = True
+    got = np.asarray(policies.KeyDiff().observe(None, jnp.asarray(k),
+                                                jnp.asarray(valid), "decode"))
+    unit = k / np.linalg.norm(k, axis=-1, keepdims=True)
+    for b, h in np.ndindex(2, 3):
+      anchor = unit[b, h][valid[b, h]].mean(axis=0)
+      anchor /= np.linalg.norm(anchor)
+      want = -unit[b, h] @ anchor
+      np.testing.assert_allclose(got[b, h][valid[b, h]],
+                                 want[valid[b, h]], rtol=1e-5, atol=1e-6)
 
 
 class BytesTest(parameterized.TestCase):

@@ -10,6 +10,7 @@ protocol). A new policy is one file here plus one line in `REGISTRY`.
   snapkv   prompt compression by an observation window (SnapKV)
   pyramid  per-layer budgets around a scored policy (PyramidKV)
   adakv    per-head budgets around a scored policy (AdaKV)
+  keydiff  keys least like the mean key, no attention needed (KeyDiff)
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 from kvjax.policies.adakv import AdaKV
 from kvjax.policies.base import (NEEDS, SCOPES, Policy, Positional, Scored)
 from kvjax.policies.h2o import H2O
+from kvjax.policies.keydiff import KeyDiff
 from kvjax.policies.knorm import Knorm
 from kvjax.policies.none import NoEviction
 from kvjax.policies.pyramid import Pyramid
@@ -35,6 +37,7 @@ REGISTRY: dict[str, type[Policy]] = {
     "snapkv": SnapKV,
     "pyramid": Pyramid,
     "adakv": AdaKV,
+    "keydiff": KeyDiff,
 }
 
 
@@ -64,4 +67,4 @@ def make(name: str, **options) -> Policy:
 
 __all__ = ["REGISTRY", "make", "Policy", "Positional", "Scored", "SCOPES",
            "NEEDS", "NoEviction", "Window", "Sinks", "H2O", "TOVA", "Knorm",
-           "SnapKV", "Pyramid", "AdaKV"]
+           "SnapKV", "Pyramid", "AdaKV", "KeyDiff"]
