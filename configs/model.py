@@ -11,6 +11,23 @@ sizes:
   small   D 256, L 6,  N 8,  F 704,  V 32000  (quick benchmarks)
   medium  D 768, L 12, N 12, F 2048, V 32000  (~125M params; the size the
           performance issue compares against transformers)
+
+cache (kvjax.CachePolicy, plus capacity):
+  capacity   slots S; 0: a power of two covering prompt + generation
+  eviction   none, window, sinks (StreamingLLM: num_sinks pinned + window),
+             h2o (recent newest kept + heavy hitters)
+  positions  RoPE positions of kept keys: 'cache' (rank inside the cache)
+             or 'original' (stream position). Unless set, it follows
+             eviction (`default_positions`): 'cache' for sinks, h2o and the
+             other global scored policies (StreamingLLM's choice, as
+             experiments/streaming_eval.py), 'original' for the others (for
+             none and window both modes are the same model, and 'original'
+             skips the per-step key rotation; per-layer / per-head policies
+             need it; see kvjax/cache.py).
+  kv_dtype, key_quant, key_group   storage (float32, bfloat16, float16,
+             int8; KIVI per-channel int8 keys with key_quant='channel')
+
+`python experiments/generate.py --show_config` prints every field.
 """
 
 import ml_collections
@@ -25,6 +42,18 @@ SIZES = {
                    num_heads=12, mlp_dim=2048, gqa_kv_heads=4),
 }
 PRESETS = tuple(f"{v}-{s}" for v in VARIANTS for s in SIZES)
+def default_positions(eviction: str) -> str:
+  """The RoPE position mode a cache section gets unless it sets one:
+  'cache' for sinks and the global scored policies (h2o, tova, ...), which
+  keep old tokens (StreamingLLM's choice; `kvjax.streaming.parse_policy`
+  does the same), else 'original' (none and window are the same model
+  either way, and per-layer / per-head policies need it)."""
+  from kvjax import policies  # pylint: disable=g-import-not-at-top
+  cls = policies.REGISTRY.get(eviction)
+  keeps_old = eviction == "sinks" or (
+      cls is not None and issubclass(cls, policies.Scored) and
+      getattr(cls, "scope", "global") == "global")
+  return "cache" if keeps_old else "original"
 
 
 def model_dict(variant: str, size: str) -> dict:
@@ -62,9 +91,18 @@ def get_config(arg: str = "gqa-medium") -> ml_collections.ConfigDict:
   cfg.model = ml_collections.ConfigDict(model_dict(variant, size))
   cfg.cache = ml_collections.ConfigDict(dict(
       capacity=0,  # 0: a power of two covering prompt + generation
-      eviction="none", num_sinks=0, recent=0, positions="original",
+      eviction="none", num_sinks=0, recent=0,
+      # further options of the eviction policy, "key=value,..." (e.g.
+      # "window=16,scope=head" for snapkv): see kvjax/policies/.
+      options="",
       # key_quant 'channel': KIVI per-channel int8 keys (kv_dtype int8).
       kv_dtype="float32", key_quant="token", key_group=32))
+  # positions follows eviction until it is set (an override sets it for
+  # good): a lazily computed reference. ml_collections has no public
+  # constructor for a computed field; _apply_op is what its arithmetic on
+  # references (`ref + 1`) uses.
+  cfg.cache.positions = cfg.cache.get_ref("eviction")._apply_op(  # pylint: disable=protected-access
+      default_positions)
   cfg.generate = ml_collections.ConfigDict(dict(
       # temperature 0 is greedy; the shipped byte-level model reads better
       # sampled (greedy decoding of a 2 bits/byte model loops).

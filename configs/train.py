@@ -76,7 +76,8 @@ def get_config(arg: str = "gqa") -> ml_collections.ConfigDict:
       keep_checkpoints=2,
       log_every=10,
       seed=0,
-      # None: $KVJAX_DATA_DIR, else ./data/janeaustenr.
+      # None: $KVJAX_DATA_DIR, else the user's cache directory
+      # (kvjax.data.resolve_data_dir); `python -m kvjax.data --setup`.
       data_dir=ml_collections.config_dict.placeholder(str),
   ))
   return cfg

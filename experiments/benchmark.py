@@ -16,98 +16,108 @@ Modes (each writes <mode>.json and, where it plots, <mode>.png to --workdir):
              largest activation (run first: it reads the process's RSS).
   quant      per kv_dtype: bytes per token (formula and real nbytes), max
              decode-logit error against float32, perplexity on a trained
-             model (--trained or --checkpoint), decode tokens/s at long
-             context (--quant_batch × --quant_context).
+             byte-level model (--trained; needs the corpus), decode
+             tokens/s at long context (--quant_batch × --quant_context).
   sweep      decode step time against context length and batch for every
              variant and kv_dtype (the cache-dominated regime).
   ppl        only the perplexity part of `quant`.
 
 Multi-variant modes build `model_dict(variant, size)` for the preset's size.
-All logic lives in `kvjax.benchmarking`; this file only sequences and plots.
+All logic lives in `kvjax.benchmarking`; this file only sequences.
+
+Every measurement is printed on stdout as it is taken ([done/total]) and
+appended to <mode>.jsonl in --workdir, so a stopped run keeps what it
+measured; <mode>.json (and the plot) are written when the mode finishes.
 """
 
 import contextlib
 import json
 import os
 
-from absl import app
 from absl import flags
-from absl import logging
 import jax
 import jax.numpy as jnp
-import matplotlib
-from ml_collections import config_flags
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-
-import kvjax  # pylint: disable=g-import-not-at-top
-from kvjax import benchmarking as bm  # pylint: disable=g-import-not-at-top
-from kvjax import configs as cfg_lib  # pylint: disable=g-import-not-at-top
-from kvjax import inference  # pylint: disable=g-import-not-at-top
-from kvjax import packed  # pylint: disable=g-import-not-at-top
-from configs import model as model_presets  # pylint: disable=g-import-not-at-top
+import kvjax
+from kvjax import benchmarking as bm
+from kvjax import cli
+from kvjax import configs as cfg_lib
+from kvjax import data
+from kvjax import inference
+from kvjax import packed
+from configs import model as model_presets
 
 MODES = ("memory", "positions", "variants", "roofline", "quant", "sweep",
          "ppl")
 KV_DTYPES = ("float32", "bfloat16", "int8")
 
-_CONFIG = config_flags.DEFINE_config_file(
+_CONFIG = cli.DEFINE_config_file(
     "config", os.path.join(os.path.dirname(__file__), "..", "configs",
                            "model.py:gqa-small"),
-    "Model preset (configs/model.py:<variant>-<size>).", lock_config=True)
+    "Model preset (configs/model.py:<variant>-<size>); the multi-variant "
+    "modes take its size.", presets=model_presets.PRESETS)
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/kvjax_benchmark",
-                               "Where JSON and PNG files go.")
-_MODES = flags.DEFINE_list("modes", ["positions"], f"Any of {MODES}.")
-_VARIANTS = flags.DEFINE_list("variants", list(model_presets.VARIANTS),
-                              "Variants for the multi-variant modes.")
-_POSITIONS = flags.DEFINE_list("positions", ["128", "256", "512", "1024",
-                                             "2048"],
-                               "Cached tokens at which a step is timed.")
-_BATCH = flags.DEFINE_integer("batch", 1, "Batch for positions / variants.")
-_PROMPT = flags.DEFINE_integer("prompt_len", 128, "Prompt length.")
+                               "Where JSON, JSON-lines and PNG files go.")
+_MODES = cli.DEFINE_choice_list("modes", ["positions"], MODES,
+                                "Modes to run (see the module docstring).")
+_VARIANTS = cli.DEFINE_choice_list("variants", list(model_presets.VARIANTS),
+                                   model_presets.VARIANTS,
+                                   "Variants for the multi-variant modes.")
+_POSITIONS = cli.DEFINE_int_list("positions", [128, 256, 512, 1024, 2048],
+                                 "Cached tokens at which a step is timed.",
+                                 lower_bound=0)
+_BATCH = flags.DEFINE_integer("batch", 1, "Batch for positions / variants.",
+                              lower_bound=1)
+_PROMPT = flags.DEFINE_integer("prompt_len", 128, "Prompt length.",
+                               lower_bound=1)
 _NEW = flags.DEFINE_integer("new_tokens", 512,
-                            "Tokens generated in the total-time comparison.")
+                            "Tokens generated in the total-time comparison.",
+                            lower_bound=1)
 _NO_CACHE = flags.DEFINE_bool("no_cache", True,
                               "Also time the no-cache baseline (slow).")
 _NO_CACHE_TOTAL = flags.DEFINE_bool(
     "no_cache_total", True,
     "Also time generating --new_tokens without the cache (one long run).")
-_STEPS = flags.DEFINE_integer("steps", 8, "Decode steps per timed loop.")
-_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed repeats (medians).")
+_STEPS = flags.DEFINE_integer("steps", 8, "Decode steps per timed loop.",
+                              lower_bound=1)
+_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed repeats (medians).",
+                                lower_bound=1)
 _PREFILL_BATCH = flags.DEFINE_integer("prefill_batch", 8,
-                                      "Batch of the roofline prefill.")
-_TRAINED = flags.DEFINE_string("trained", "",
-                               "kvjax training workdir for perplexity.")
-_CHECKPOINT = flags.DEFINE_string("checkpoint", "",
-                                  "HF checkpoint dir for perplexity.")
+                                      "Batch of the roofline prefill.",
+                                      lower_bound=1)
+_TRAINED = flags.DEFINE_string(
+    "trained", "", "kvjax training workdir (a byte-level model) for the "
+    "perplexity of quant / ppl, e.g. checkpoints/austen-gqa.")
+_DATA_DIR = flags.DEFINE_string(
+    "data_dir", None, "Austen corpus for perplexity (default: "
+    "$KVJAX_DATA_DIR, else the user's cache directory).")
 _PPL_TOKENS = flags.DEFINE_integer("ppl_tokens", 2048,
-                                   "Validation tokens scored for perplexity.")
+                                   "Validation tokens scored for perplexity.",
+                                   lower_bound=1)
 _PPL_WINDOW = flags.DEFINE_integer(
     "ppl_window", 256, "Tokens per scored row (the trained context length: "
-    "a byte model trained on 256-byte windows degrades beyond them).")
-_QUANT_BATCH = flags.DEFINE_integer("quant_batch", 16, "Long-context batch.")
+    "a byte model trained on 256-byte windows degrades beyond them).",
+    lower_bound=2)
+_QUANT_BATCH = flags.DEFINE_integer("quant_batch", 16, "Long-context batch.",
+                                    lower_bound=1)
 _QUANT_CONTEXT = flags.DEFINE_integer("quant_context", 4096,
-                                      "Long-context cached tokens.")
-_SWEEP_CONTEXTS = flags.DEFINE_list(
-    "sweep_contexts", ["256", "512", "1024", "2048", "4096", "8192"],
-    "Context lengths of the sweep.")
-_SWEEP_BATCHES = flags.DEFINE_list("sweep_batches", ["1", "8"],
-                                   "Batches of the sweep.")
+                                      "Long-context cached tokens.",
+                                      lower_bound=0)
+_SWEEP_CONTEXTS = cli.DEFINE_int_list(
+    "sweep_contexts", [256, 512, 1024, 2048, 4096, 8192],
+    "Context lengths of the sweep.", lower_bound=0)
+_SWEEP_BATCHES = cli.DEFINE_int_list("sweep_batches", [1, 8],
+                                     "Batches of the sweep.", lower_bound=1)
 _LAYERS = flags.DEFINE_enum(
     "layers", "packed", list(packed.LAYOUTS),
     "Params layout (kvjax.packed.layout): 'scan' (stacked weights; compile "
     "time independent of depth), 'unrolled' (kvjax.model.unstack_layers: "
     "weights read in place; compile time grows with depth) or 'packed' "
     "(unrolled, fused [out, in] projections: fastest decode on CPU).")
-_SWEEP_DTYPES = flags.DEFINE_list("sweep_dtypes", list(KV_DTYPES),
-                                  "Cache kinds of the sweep: kv dtypes "
-                                  "(float32, bfloat16, float16, int8) or "
-                                  "int8-kivi (per-channel int8 keys).")
-
-
-def _ints(values):
-  return [int(v) for v in values]
+_SWEEP_DTYPES = cli.DEFINE_choice_list(
+    "sweep_dtypes", list(KV_DTYPES), bm.CACHE_KINDS,
+    "Cache kinds of the sweep: kv dtypes (float32, bfloat16, float16, int8) "
+    "or int8-kivi (per-channel int8 keys).")
 
 
 def _size() -> str:
@@ -130,19 +140,35 @@ def _prompt(config, batch, length):
                             config.vocab_size)
 
 
-def _save(name: str, result, fig=None):
+class _Partial:
+  """One mode's measurements as they are taken: `[done/total] text` on
+  stdout and the record appended to <mode>.jsonl."""
+
+  def __init__(self, mode: str, total: int):
+    self._lines = cli.JsonLines(os.path.join(_WORKDIR.value, f"{mode}.jsonl"))
+    self._done, self._total = 0, total
+
+  def __call__(self, record, text: str) -> None:
+    self._done += 1
+    self._lines.write(record)
+    print(f"[{self._done}/{self._total}] {text}", flush=True)
+
+  def close(self):
+    self._lines.close()
+
+
+def _save(name: str, result, plot=None):
+  """Writes <name>.json (and <name>.png with `plot(result, path)`)."""
   os.makedirs(_WORKDIR.value, exist_ok=True)
   path = os.path.join(_WORKDIR.value, f"{name}.json")
   result = dict(result, layers=_LAYERS.value)
   with open(path, "w") as f:
     json.dump(result, f, indent=1, default=float)
-  logging.info("wrote %s", path)
-  if fig is not None:
-    png = os.path.join(_WORKDIR.value, f"{name}.png")
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
-    logging.info("wrote %s", png)
+  written = [path]
+  if plot is not None:
+    written.append(os.path.join(_WORKDIR.value, f"{name}.png"))
+    plot(result, written[-1])
+  print(f"wrote {', '.join(written)}", flush=True)
 
 
 # ---- memory -----------------------------------------------------------------
@@ -205,21 +231,21 @@ def run_memory(config):
              executables_ratio=executables / model_bytes,
              second_run_ratio_without_executables=(
                  second.peak - base - executables) / model_bytes)
-  logging.info("memory: params %.1f MB cache %.1f MB act %.1f MB = %.1f MB; "
-               "XLA program peak %.1f MB = %.2fx (temporaries %.1f MB); "
-               "RSS above the runtime baseline: held %.1f MB before "
-               "generate (after dropping %.1f MB of init/packing "
-               "executables), peak first run (incl. compile) %.1f MB = %.2fx, "
-               "second run %.1f MB = %.2fx, of which the compiled "
-               "executables hold %.1f MB (%.2fx; %.2fx without them)",
-               p_bytes / 1e6, c_bytes / 1e6,
-               act / 1e6, model_bytes / 1e6, compiled["peak"] / 1e6,
-               out["compiled_ratio"], compiled["temporaries"] / 1e6,
-               held / 1e6, setup_executables / 1e6,
-               (first.peak - base) / 1e6, out["first_run_ratio"],
-               (second.peak - base) / 1e6, out["second_run_ratio"],
-               executables / 1e6, out["executables_ratio"],
-               out["second_run_ratio_without_executables"])
+  print("memory: params %.1f MB cache %.1f MB act %.1f MB = %.1f MB; "
+        "XLA program peak %.1f MB = %.2fx (temporaries %.1f MB); "
+        "RSS above the runtime baseline: held %.1f MB before "
+        "generate (after dropping %.1f MB of init/packing "
+        "executables), peak first run (incl. compile) %.1f MB = %.2fx, "
+        "second run %.1f MB = %.2fx, of which the compiled "
+        "executables hold %.1f MB (%.2fx; %.2fx without them)" % (
+            p_bytes / 1e6, c_bytes / 1e6,
+            act / 1e6, model_bytes / 1e6, compiled["peak"] / 1e6,
+            out["compiled_ratio"], compiled["temporaries"] / 1e6,
+            held / 1e6, setup_executables / 1e6,
+            (first.peak - base) / 1e6, out["first_run_ratio"],
+            (second.peak - base) / 1e6, out["second_run_ratio"],
+            executables / 1e6, out["executables_ratio"],
+            out["second_run_ratio_without_executables"]), flush=True)
   _save("memory", out)
 
 
@@ -227,50 +253,43 @@ def run_memory(config):
 def run_positions(config):
   params = _params(config)
   B, R = _BATCH.value, _REPEATS.value
+  with_total = 1 + (_NO_CACHE.value and _NO_CACHE_TOTAL.value)
+  report = _Partial("positions", len(_POSITIONS.value) + with_total)
   rows = []
-  for pos in _ints(_POSITIONS.value):
+  for pos in _POSITIONS.value:
     row = dict(position=pos, cached=bm.decode_step_seconds(
         params, config, B, pos, steps=_STEPS.value, repeats=R))
     if _NO_CACHE.value:
       row["no_cache"] = bm.no_cache_step_seconds(params, config, B, pos,
                                                  repeats=max(2, R // 2))
-    logging.info("position %5d: cached %.2f ms/step%s", pos,
-                 1e3 * row["cached"]["step_s"],
-                 (" | no cache %.1f ms/step" % (1e3 * row["no_cache"]["step_s"])
-                  if "no_cache" in row else ""))
+    report(row, "position %5d: cached %.2f ms/step%s" % (
+        pos, 1e3 * row["cached"]["step_s"],
+        (" | no cache %.1f ms/step" % (1e3 * row["no_cache"]["step_s"])
+         if "no_cache" in row else "")))
     rows.append(row)
   tokens = _prompt(config, B, _PROMPT.value)
   gen = bm.generate_seconds(params, config, tokens, _NEW.value,
                             repeats=max(1, R // 2))
   total = dict(new_tokens=_NEW.value, cached_s=gen.median,
                cached=gen.to_dict())
-  logging.info("generate %d tokens with the cache: %.2f s", _NEW.value,
-               gen.median)
+  report(dict(total=total), "generate %d tokens with the cache: %.2f s" % (
+      _NEW.value, gen.median))
   if _NO_CACHE.value and _NO_CACHE_TOTAL.value:
     nc = bm.no_cache_generate_seconds(params, config, tokens, _NEW.value)
     total.update(no_cache_s=nc["total_s"], no_cache=nc,
                  speedup=nc["total_s"] / gen.median)
-    logging.info("generate %d tokens without the cache: %.1f s (compile "
-                 "%.1f s excluded): cache is %.1fx faster", _NEW.value,
-                 nc["total_s"], nc["compile_s"], total["speedup"])
+    report(dict(total=total),
+           "generate %d tokens without the cache: %.1f s (compile %.1f s "
+           "excluded): cache is %.1fx faster" % (
+               _NEW.value, nc["total_s"], nc["compile_s"], total["speedup"]))
+  report.close()
   c0, c1 = rows[0]["cached"]["step_s"], rows[-1]["cached"]["step_s"]
   out = dict(preset=_CONFIG.value.preset, batch=B, prompt_len=_PROMPT.value,
              rows=rows, total=total,
              cached_last_over_first=c1 / c0, machine=bm.machine_info())
-  logging.info("cached step at position %d / at %d: %.2fx",
-               rows[-1]["position"], rows[0]["position"], c1 / c0)
-  fig, ax = plt.subplots(figsize=(6, 4))
-  xs = [r["position"] for r in rows]
-  ax.plot(xs, [1e3 * r["cached"]["step_s"] for r in rows], "o-",
-          label="with KV cache")
-  if _NO_CACHE.value:
-    ax.plot(xs, [1e3 * r["no_cache"]["step_s"] for r in rows], "s-",
-            label="no cache (recompute)")
-  ax.set(xscale="log", yscale="log", xlabel="position (cached tokens)",
-         ylabel="ms per decode step",
-         title=f"{_CONFIG.value.preset}, batch {B} (measured medians)")
-  ax.legend()
-  _save("positions", out, fig)
+  print("cached step at position %d / at %d: %.2fx" % (
+      rows[-1]["position"], rows[0]["position"], c1 / c0), flush=True)
+  _save("positions", out, bm.plot_positions)
 
 
 # ---- variants (issue 3) -----------------------------------------------------
@@ -291,28 +310,26 @@ def _variant_rows():
 
 def run_variants():
   B, R = _BATCH.value, _REPEATS.value
-  positions = _ints(_POSITIONS.value)
+  positions = _POSITIONS.value
   out = dict(size=_size(), batch=B, positions=positions, variants={})
-  for label, config in _variant_rows():
+  variant_rows = _variant_rows()
+  report = _Partial("variants", len(variant_rows) * len(positions))
+  for label, config in variant_rows:
     params = _params(config)
-    steps = [bm.decode_step_seconds(params, config, B, p, steps=_STEPS.value,
-                                    repeats=R) for p in positions]
+    steps = []
+    for p in positions:
+      steps.append(bm.decode_step_seconds(params, config, B, p,
+                                          steps=_STEPS.value, repeats=R))
+      report(dict(variant=label, position=p, **steps[-1]),
+             "%-13s @%d: %.2f ms/step (%.0f tok/s)" % (
+                 label, p, 1e3 * steps[-1]["step_s"],
+                 steps[-1]["tokens_per_s"]))
     out["variants"][label] = dict(
         kv_bytes_per_token=kvjax.kv_bytes_per_token(config),
         params=kvjax.param_count(config), steps=steps)
-    logging.info("%-13s %s", label, "  ".join(
-        f"@{p}: {1e3 * s['step_s']:.2f} ms ({s['tokens_per_s']:.0f} tok/s)"
-        for p, s in zip(positions, steps)))
     del params
-  fig, ax = plt.subplots(figsize=(6, 4))
-  for label, row in out["variants"].items():
-    ax.plot(positions, [1e3 * s["step_s"] for s in row["steps"]], "o-",
-            label=label)
-  ax.set(xscale="log", xlabel="position (cached tokens)",
-         ylabel="ms per decode step",
-         title=f"{_size()}: decode step by attention variant, batch {B}")
-  ax.legend()
-  _save("variants", out, fig)
+  report.close()
+  _save("variants", out, bm.plot_variants)
 
 
 # ---- roofline (issue 7.2) ---------------------------------------------------
@@ -320,13 +337,13 @@ def probe_machine():
   limits = dict(read=bm.read_bandwidth(), triad=bm.triad_bandwidth(),
                 matvec=bm.matvec_bandwidth(), matmul_f32=bm.matmul_peak(),
                 matmul_bf16=bm.matmul_peak(dtype="bfloat16"))
-  logging.info("machine: read %.1f GB/s, triad %.1f GB/s, matvec %.1f GB/s, "
-               "matmul f32 %.0f GFLOP/s, bf16 (f32 acc.) %.0f GFLOP/s",
-               limits["read"]["bytes_per_s"] / 1e9,
-               limits["triad"]["bytes_per_s"] / 1e9,
-               limits["matvec"]["bytes_per_s"] / 1e9,
-               limits["matmul_f32"]["flops_per_s"] / 1e9,
-               limits["matmul_bf16"]["flops_per_s"] / 1e9)
+  print("machine: read %.1f GB/s, triad %.1f GB/s, matvec %.1f GB/s, "
+        "matmul f32 %.0f GFLOP/s, bf16 (f32 acc.) %.0f GFLOP/s" % (
+            limits["read"]["bytes_per_s"] / 1e9,
+            limits["triad"]["bytes_per_s"] / 1e9,
+            limits["matvec"]["bytes_per_s"] / 1e9,
+            limits["matmul_f32"]["flops_per_s"] / 1e9,
+            limits["matmul_bf16"]["flops_per_s"] / 1e9), flush=True)
   return limits
 
 
@@ -360,7 +377,9 @@ def run_roofline():
   T, PB = _PROMPT.value, _PREFILL_BATCH.value
   out = dict(size=_size(), limits=limits, machine=bm.machine_info(),
              layers=_LAYERS.value, variants={})
-  for label, config in _variant_rows():
+  variant_rows = _variant_rows()
+  report = _Partial("roofline", len(variant_rows))
+  for label, config in variant_rows:
     params = _params(config)
     dec = bm.decode_step_seconds(params, config, 1, T, steps=_STEPS.value,
                                  repeats=_REPEATS.value)
@@ -379,45 +398,50 @@ def run_roofline():
                compile={lay: compile_times(config, 1, T, lay)
                         for lay in ("scan", "unrolled")})
     out["variants"][label] = row
-    logging.info(
+    report(dict(variant=label, **row), (
         "%-13s decode b1@%d: %.2f ms, %.1f MB/step -> %.1f GB/s = %.0f%% of "
         "read, %.0f%% of matvec | prefill %dx%d: %.1f ms, %.1f GFLOP -> %.0f "
         "GFLOP/s = %.0f%% of peak | compile prefill/decode, scan L=%d: "
         "%.1f/%.1f s, 2L: %.1f/%.1f s; unrolled L: %.1f/%.1f s, 2L: "
-        "%.1f/%.1f s", label, T, 1e3 * dec["step_s"], need["total"] / 1e6,
-        achieved_bw / 1e9, 100 * row["decode_fraction_of_read"],
-        100 * row["decode_fraction_of_matvec"], PB, T, 1e3 * pre["prefill_s"],
-        flops["total"] / 1e9, achieved_flops / 1e9,
-        100 * row["prefill_fraction_of_peak"], config.num_layers,
-        *[row["compile"][lay][d][k]["total_s"] for lay in ("scan", "unrolled")
-          for d in sorted(row["compile"][lay]) for k in ("prefill", "decode")])
+        "%.1f/%.1f s") % (
+            label, T, 1e3 * dec["step_s"], need["total"] / 1e6,
+            achieved_bw / 1e9, 100 * row["decode_fraction_of_read"],
+            100 * row["decode_fraction_of_matvec"], PB, T,
+            1e3 * pre["prefill_s"], flops["total"] / 1e9,
+            achieved_flops / 1e9, 100 * row["prefill_fraction_of_peak"],
+            config.num_layers,
+            *[row["compile"][lay][d][k]["total_s"]
+              for lay in ("scan", "unrolled")
+              for d in sorted(row["compile"][lay])
+              for k in ("prefill", "decode")]))
     del params
+  report.close()
   _save("roofline", out)
 
 
 # ---- quantized caches (issue 7.4) -------------------------------------------
-def _perplexity(kv_dtypes):
+def _perplexity(kv_dtypes, mode):
   """Validation perplexity of a trained model read token by token through a
   cache of each kv dtype (None when no model is given)."""
-  if not (_TRAINED.value or _CHECKPOINT.value):
+  if not _TRAINED.value:
     return None
-  from kvjax import data, job, streaming  # pylint: disable=g-import-not-at-top
-  loaded = job.load_model(trained=_TRAINED.value,
-                          checkpoint=_CHECKPOINT.value)
-  if not loaded.byte_level:
-    raise ValueError("perplexity needs a byte-level kvjax model (--trained)")
-  docs = data.split_documents(data.load_austen()).validation
+  from kvjax import job, streaming  # pylint: disable=g-import-not-at-top
+  loaded = job.load_model(trained=_TRAINED.value)
+  docs = data.split_documents(data.load_austen(_DATA_DIR.value)).validation
   W = _PPL_WINDOW.value
   rows = max(1, _PPL_TOKENS.value // W)
   stream = data.documents_to_stream(docs)[:rows * W].reshape(rows, W)
   out = {}
+  report = _Partial(f"{mode}_perplexity", len(kv_dtypes))
   for dt in kv_dtypes:
     cache = kvjax.init_cache(loaded.config, rows, W,
                              policy=bm.cache_policy(dt))
     nll, _ = streaming.stream_nll(loaded.params, loaded.config, stream, cache)
     out[dt] = streaming.perplexity(nll)
-    logging.info("perplexity (%s, %d rows x %d tokens) with a %s cache: "
-                 "%.4f", loaded.source, rows, W, dt, out[dt])
+    report(dict(kv_dtype=dt, perplexity=out[dt]),
+           "perplexity (%s, %d rows x %d tokens) with a %s cache: %.4f" % (
+               loaded.source, rows, W, dt, out[dt]))
+  report.close()
   return dict(source=loaded.source, rows=rows, window=W,
               tokens=rows * (W - 1), by_dtype=out)
 
@@ -427,11 +451,13 @@ def run_quant():
   out = dict(size=_size(), variants={},
              long_context=dict(batch=_QUANT_BATCH.value,
                                context=_QUANT_CONTEXT.value))
-  for label, config in _variant_rows():
+  variant_rows = _variant_rows()
+  dtypes = bm.CACHE_KINDS
+  report = _Partial("quant", len(variant_rows) * len(dtypes))
+  for label, config in variant_rows:
     params = _params(config)
     tokens = _prompt(config, 2, 64)
     logits = {}
-    dtypes = bm.CACHE_KINDS
     for dt in dtypes:
       cache = kvjax.init_cache(config, 2, 64, policy=bm.cache_policy(dt))
       _, cache = kvjax.prefill(params, config, tokens[:, :32], cache)
@@ -453,24 +479,28 @@ def run_quant():
           max_logit_error=float(jnp.max(jnp.abs(logits[dt] -
                                                 logits["float32"]))),
           long_context=speed)
-      logging.info("%-13s %-9s %6g B/token (real %6g), max |dlogit| %.2e, "
-                   "b%d@%d: %.1f ms/step %.0f tok/s", label, dt,
-                   rows[dt]["bytes_per_token"], real,
-                   rows[dt]["max_logit_error"], _QUANT_BATCH.value,
-                   _QUANT_CONTEXT.value, 1e3 * speed["step_s"],
-                   speed["tokens_per_s"])
+      report(dict(variant=label, kv_dtype=dt, **rows[dt]),
+             "%-13s %-9s %6g B/token (real %6g), max |dlogit| %.2e, "
+             "b%d@%d: %.1f ms/step %.0f tok/s" % (
+                 label, dt, rows[dt]["bytes_per_token"], real,
+                 rows[dt]["max_logit_error"], _QUANT_BATCH.value,
+                 _QUANT_CONTEXT.value, 1e3 * speed["step_s"],
+                 speed["tokens_per_s"]))
     out["variants"][label] = rows
     del params
-  out["perplexity"] = _perplexity(bm.CACHE_KINDS)
+  report.close()
+  out["perplexity"] = _perplexity(bm.CACHE_KINDS, "quant")
   _save("quant", out)
 
 
 # ---- sweep (issue 7.6) ------------------------------------------------------
 def run_sweep():
-  contexts, batches = _ints(_SWEEP_CONTEXTS.value), _ints(_SWEEP_BATCHES.value)
+  contexts, batches = _SWEEP_CONTEXTS.value, _SWEEP_BATCHES.value
   out = dict(size=_size(), contexts=contexts, batches=batches, rows=[])
   configs = [(label, c) for label, c in _variant_rows()
              if not label.endswith("naive")]
+  report = _Partial("sweep", len(configs) * len(_SWEEP_DTYPES.value) *
+                    len(batches) * len(contexts))
   for label, config in configs:
     params = _params(config)
     for dt in _SWEEP_DTYPES.value:
@@ -481,39 +511,37 @@ def run_sweep():
           need = bm.decode_bytes_per_step(params, config, B, ctx + 1, dt)
           out["rows"].append(dict(variant=label, kv_dtype=dt, batch=B,
                                   context=ctx, step_s=s["step_s"],
-                                  bytes=need))
-          logging.info("%-13s %-8s b%-3d ctx %5d: %.2f ms/step (cache %.0f%% "
-                       "of the bytes)", label, dt, B, ctx, 1e3 * s["step_s"],
-                       100 * need["cache"] / need["total"])
+                                  loop=s["loop"], bytes=need))
+          report(out["rows"][-1],
+                 "%-13s %-9s b%-3d ctx %5d: %.2f ms/step (cache %.0f%% of "
+                 "the bytes)" % (label, dt, B, ctx, 1e3 * s["step_s"],
+                                 100 * need["cache"] / need["total"]))
     del params
-  fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4.5),
-                           squeeze=False)
-  for ax, B in zip(axes[0], batches):
-    for label, _ in configs:
-      for dt, style in zip(_SWEEP_DTYPES.value,
-                           ("-", "--", ":", "-.", (0, (5, 1)))):
-        style = dict(linestyle=style, marker="o")
-        rows = [r for r in out["rows"] if r["variant"] == label and
-                r["kv_dtype"] == dt and r["batch"] == B]
-        ax.plot([r["context"] for r in rows],
-                [1e3 * r["step_s"] for r in rows], **style,
-                label=f"{label} {dt}", markersize=3)
-    ax.set(xscale="log", yscale="log", xlabel="context (cached tokens)",
-           ylabel="ms per decode step", title=f"{_size()}, batch {B}")
-    ax.legend(fontsize=6, ncol=2)
-  _save("sweep", out, fig)
+  report.close()
+  _save("sweep", out, bm.plot_sweep)
+
+
+def _check_perplexity(modes):
+  """Perplexity's inputs, checked before anything is built or compiled."""
+  if "ppl" in modes and not _TRAINED.value:
+    raise ValueError("--modes=ppl needs --trained (a byte-level kvjax "
+                     "training workdir, e.g. checkpoints/austen-gqa)")
+  if _TRAINED.value and {"ppl", "quant"} & set(modes):
+    if not os.path.isdir(_TRAINED.value):
+      raise ValueError(f"--trained={_TRAINED.value}: no such directory")
+    data.locate_corpus(_DATA_DIR.value)
 
 
 def main(argv):
   del argv
   modes = _MODES.value
-  bad = sorted(set(modes) - set(MODES))
-  if bad:
-    raise ValueError(f"--modes: unknown {bad}; choose from {MODES}")
-  config = cfg_lib.model_config(_CONFIG.value.model)
-  logging.info("preset %s: %s, %.1fM params; machine %s",
-               _CONFIG.value.preset, config.variant,
-               kvjax.param_count(config) / 1e6, bm.machine_info())
+  with cli.checking("--config.model"):
+    config = cfg_lib.model_config(_CONFIG.value.model)
+  with cli.checking():
+    _check_perplexity(modes)
+  print("preset %s: %s, %.1fM params; machine %s" % (
+      _CONFIG.value.preset, config.variant, kvjax.param_count(config) / 1e6,
+      bm.machine_info()), flush=True)
   # --layers=scan: keep the layer scan (the inference calls would
   # otherwise pack wide params themselves, kvjax.packed.for_decode).
   with (packed.as_given() if _LAYERS.value == "scan" else
@@ -539,8 +567,8 @@ def _run_modes(config, modes):
     elif mode == "sweep":
       run_sweep()
     elif mode == "ppl":
-      _save("ppl", dict(perplexity=_perplexity(bm.CACHE_KINDS)))
+      _save("ppl", dict(perplexity=_perplexity(bm.CACHE_KINDS, "ppl")))
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -8,31 +8,34 @@ token, the cache at each context length × batch, and the ratio to the same
 model with MHA. Sizes come from `jax.eval_shape(kvjax.init_cache, ...)`:
 nothing is allocated. Also recomputes DeepSeek-V2's −93.3% claim.
 
-Writes cache_table.json, cache_table.md and cache_table.png to --workdir.
+Prints the table (markdown) on stdout and writes cache_table.json,
+cache_table.md and cache_table.png to --workdir.
 """
 
 import importlib.util
 import json
 import os
 
-from absl import app
 from absl import flags
-from absl import logging
 
+from kvjax import cli
 from kvjax import configs
 from kvjax import published
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.",
                                required=True)
 _PRESETS_FILE = flags.DEFINE_string(
-    "presets_file", "configs/model.py",
+    "presets_file", os.path.normpath(os.path.join(
+        os.path.dirname(__file__), "..", "configs", "model.py")),
     "Config file whose PRESETS / get_config(preset) give the presets.")
 _KV_DTYPE = flags.DEFINE_enum(
     "kv_dtype", "bfloat16", ["float32", "bfloat16", "float16", "int8"],
     "Cache storage dtype for every row (the published models serve bf16).")
-_TOKENS = flags.DEFINE_list("tokens", ["4096", "32768", "131072"],
-                            "Context lengths (cache slots per sequence).")
-_BATCHES = flags.DEFINE_list("batches", ["1", "32"], "Batch sizes.")
+_TOKENS = cli.DEFINE_int_list("tokens", [4096, 32768, 131072],
+                              "Context lengths (cache slots per sequence).",
+                              lower_bound=1)
+_BATCHES = cli.DEFINE_int_list("batches", [1, 32], "Batch sizes.",
+                               lower_bound=1)
 
 
 def _presets(path: str):
@@ -44,15 +47,16 @@ def _presets(path: str):
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  del argv
   workdir = _WORKDIR.value
-  os.makedirs(workdir, exist_ok=True)
-  kw = dict(tokens=[int(t) for t in _TOKENS.value],
-            batches=[int(b) for b in _BATCHES.value],
+  kw = dict(tokens=_TOKENS.value, batches=_BATCHES.value,
             kv_dtype=_KV_DTYPE.value)
-  rows = published.table(dict(_presets(_PRESETS_FILE.value),
-                              **published.PUBLISHED), **kw)
+  with cli.checking(f"--presets_file={_PRESETS_FILE.value}"):
+    if not os.path.isfile(_PRESETS_FILE.value):
+      raise ValueError("no such file")
+    presets = _presets(_PRESETS_FILE.value)
+  os.makedirs(workdir, exist_ok=True)
+  rows = published.table(dict(presets, **published.PUBLISHED), **kw)
   for r in rows:
     if r["bytes_per_token"] != r["bytes_per_token_eval_shape"]:
       raise AssertionError(f"{r['name']}: kv_bytes_per_token "
@@ -78,8 +82,9 @@ def main(argv):
   with open(os.path.join(workdir, "cache_table.json"), "w") as f:
     json.dump(dict(flags=kw, rows=rows, deepseek_v2=claims), f, indent=1)
   published.plot_table(rows, os.path.join(workdir, "cache_table.png"))
-  logging.info("cache table (%s):\n%s", kw["kv_dtype"], md)
+  print(f"KV cache sizes, {kw['kv_dtype']} cache:\n")
+  print(md)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

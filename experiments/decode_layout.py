@@ -9,44 +9,52 @@ the stacked decode cache) on the canonical params (inside
 `kvjax.pack(params)`, and the default path (the canonical params passed to
 `generate`, which packs them itself), timed alternately in one process. The ratio decides `kvjax.packed.PACK_MIN_WIDTH`, the width
 from which `kvjax.packed.for_decode` (what every inference entry point
-calls) packs. Prints a table; writes decode_layout.json.
+calls) packs. Prints a line per row as it is measured (stdout) and appends
+it to decode_layout.jsonl; writes decode_layout.json at the end.
 """
 
 import json
 import os
 import statistics
 
-from absl import app
 from absl import flags
 import jax
 import numpy as np
 
 from kvjax import benchmarking as bm
+from kvjax import cli
 from kvjax import configs as cfg_lib
 from kvjax import inference
 from kvjax import model
 from kvjax import packed
 from configs import model as presets
 
-_PRESETS = flags.DEFINE_list("presets", ["gqa-small", "gqa-medium"],
-                             "configs/model.py presets.")
-_BATCHES = flags.DEFINE_list("batches", ["1", "8"], "Batch sizes.")
-_PROMPT = flags.DEFINE_integer("prompt_len", 128, "Prompt tokens.")
-_NEW = flags.DEFINE_integer("new_tokens", 256, "Generated tokens.")
-_REPEATS = flags.DEFINE_integer("repeats", 5, "Alternating timed rounds.")
+_PRESETS = cli.DEFINE_choice_list("presets", ["gqa-small", "gqa-medium"],
+                                  presets.PRESETS,
+                                  "configs/model.py presets.")
+_BATCHES = cli.DEFINE_int_list("batches", [1, 8], "Batch sizes.",
+                               lower_bound=1)
+_PROMPT = flags.DEFINE_integer("prompt_len", 128, "Prompt tokens.",
+                               lower_bound=1)
+_NEW = flags.DEFINE_integer("new_tokens", 256, "Generated tokens.",
+                            lower_bound=1)
+_REPEATS = flags.DEFINE_integer("repeats", 5, "Alternating timed rounds.",
+                                lower_bound=1)
 _WORKDIR = flags.DEFINE_string("workdir", "workdir/decode_layout",
                                "Output directory.")
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  del argv
+  with cli.checking("--presets"):
+    model_configs = {name: cfg_lib.model_config(presets.get_config(name).model)
+                     for name in _PRESETS.value}
   rows = []
-  for name in _PRESETS.value:
-    config = cfg_lib.model_config(presets.get_config(name).model)
+  partial = cli.JsonLines(os.path.join(_WORKDIR.value, "decode_layout.jsonl"))
+  for name, config in model_configs.items():
     canonical = model.init_params(config, jax.random.key(0))
     fused = packed.pack(canonical, config)
-    for batch in map(int, _BATCHES.value):
+    for batch in _BATCHES.value:
       tokens = np.asarray(jax.random.randint(
           jax.random.key(1), (batch, _PROMPT.value), 0, config.vocab_size))
 
@@ -73,6 +81,7 @@ def main(argv):
                  default_vs_packed=statistics.median(default),
                  default_vs_packed_rounds=default)
       rows.append(row)
+      partial.write(row)
       print(f"{name} batch {batch} (D {config.embed_dim}): canonical "
             f"{row['canonical_s']:.3f} s, packed {row['packed_s']:.3f} s, "
             f"packed {row['packed_speedup']:.3f}x (rounds "
@@ -80,10 +89,10 @@ def main(argv):
             f"{row['default_s']:.3f} s, {row['default_vs_packed']:.3f}x the "
             f"packed speed (rounds {min(default):.3f}-{max(default):.3f})",
             flush=True)
-  os.makedirs(_WORKDIR.value, exist_ok=True)
+  partial.close()
   with open(os.path.join(_WORKDIR.value, "decode_layout.json"), "w") as f:
     json.dump(dict(machine=bm.machine_info(), rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

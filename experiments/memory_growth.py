@@ -10,19 +10,20 @@ the bytes of the slots that hold a token are read from the cache itself
 
   python experiments/memory_growth.py --workdir=workdir/memory
 
-Outputs in --workdir: memory.json, memory.png.
+Prints the table on stdout. Outputs in --workdir: memory.jsonl (one line per
+finished trace, written as it finishes), memory.json, memory.png.
 """
 
 import json
 import os
 
-from absl import app
 from absl import flags
 from absl import logging
 import jax
 import numpy as np
 
 import kvjax
+from kvjax import cli
 from kvjax import configs
 from kvjax import streaming
 from configs import model as presets
@@ -31,15 +32,18 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.",
                                required=True)
 _SIZE = flags.DEFINE_enum("size", "small", ["tiny", "small", "medium"],
                           "Preset size of configs/model.py.")
-_VARIANTS = flags.DEFINE_list("variants", "mha,mqa,gqa,mla",
-                              "Attention variants.")
-_POLICY = flags.DEFINE_string("policy", "sinks4",
-                              "Bounded policy (streaming.parse_policy name).")
+_VARIANTS = cli.DEFINE_choice_list("variants", list(presets.VARIANTS),
+                                   presets.VARIANTS, "Attention variants.")
+_POLICY = flags.DEFINE_string(
+    "policy", "sinks4", "Bounded policy (a streaming.parse_policy name: "
+    "window, sinks<n>, h2o, with ':original' / ':cache').")
 _CAPACITY = flags.DEFINE_integer("capacity", 512, "Slots S of the bounded "
-                                 "cache.")
-_TOKENS = flags.DEFINE_integer("tokens", 2048, "Tokens fed per sequence.")
-_EVERY = flags.DEFINE_integer("every", 64, "Record every this many tokens.")
-_BATCH = flags.DEFINE_integer("batch", 1, "Sequences (B).")
+                                 "cache.", lower_bound=1)
+_TOKENS = flags.DEFINE_integer("tokens", 2048, "Tokens fed per sequence.",
+                               lower_bound=1)
+_EVERY = flags.DEFINE_integer("every", 64, "Record every this many tokens.",
+                              lower_bound=1)
+_BATCH = flags.DEFINE_integer("batch", 1, "Sequences (B).", lower_bound=1)
 
 
 def _preset(variant: str, size: str) -> kvjax.ModelConfig:
@@ -47,16 +51,17 @@ def _preset(variant: str, size: str) -> kvjax.ModelConfig:
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  os.makedirs(_WORKDIR.value, exist_ok=True)
+  del argv
   n, cap, b = _TOKENS.value, _CAPACITY.value, _BATCH.value
-  bounded = streaming.parse_policy(_POLICY.value, cap, n)
-  if bounded.policy is None or not bounded.policy.bounded:
-    raise ValueError(f"policy={_POLICY.value!r} must be a bounded cache "
-                     "policy (window, sinks<n>, h2o)")
+  with cli.checking(f"--policy={_POLICY.value}"):
+    bounded = streaming.parse_policy(_POLICY.value, cap, n)
+    if bounded.policy is None or not bounded.policy.bounded:
+      raise ValueError("must be a bounded cache policy (window, sinks<n>, "
+                       "h2o)")
   rng = np.random.default_rng(0)
   traces, summary = {}, []
+  partial = cli.JsonLines(os.path.join(_WORKDIR.value, "memory.jsonl"))
+  total = 2 * len(_VARIANTS.value)
   for variant in _VARIANTS.value:
     config = _preset(variant, _SIZE.value)
     params = kvjax.init_params(config, jax.random.key(0))
@@ -80,9 +85,12 @@ def main(argv):
                           kv_bytes_per_token=per_token,
                           bytes_at_end=trace[-1]["used"],
                           allocated=trace[-1]["kv"], tokens=n, slots=slots))
-      logging.info("%s: %d B/token, %.2f MiB after %d tokens (allocated "
-                   "%.2f MiB)", label, per_token, trace[-1]["used"] / 2**20,
-                   n, trace[-1]["kv"] / 2**20)
+      partial.write(dict(summary[-1], trace=trace))
+      logging.info("[%d/%d] %s: %d B/token, %.2f MiB after %d tokens "
+                   "(allocated %.2f MiB)", len(summary), total, label,
+                   per_token, trace[-1]["used"] / 2**20, n,
+                   trace[-1]["kv"] / 2**20)
+  partial.close()
   print("| cache | bytes/token | MiB after %d tokens | allocated MiB |" % n)
   print("|---|---|---|---|")
   for s in summary:
@@ -100,4 +108,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

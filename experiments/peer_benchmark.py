@@ -17,82 +17,99 @@ B·(new − 1) / (t_generate − t_prefill), the same definition for both;
 prefill = a generate of one token. The headline ratio is the ratio of the
 medians; the ratios of the rounds (each round's kvjax and transformers
 decode rates, timed side by side; `benchmarking.round_rates`) give its
-spread within the run: min, quartiles, max. Prints the ratios, writes
-peer.json and peer.png (`plot`: the rounds' quartiles as whiskers).
+spread within the run: min, quartiles, max. Logs each batch's ratios as it
+finishes (and appends the batch's row to peer.jsonl), prints the ratios on
+stdout, writes peer.json and peer.png (`plot`: the rounds' quartiles as
+whiskers).
 
 transformers and torch are optional (`pip install -e .[bench]`); without
-them the script exits with a message saying so.
+them the script exits with a one-line message saying so.
 """
 
 import contextlib
 import json
 import os
-import sys
 import tempfile
 
-from absl import app
 from absl import flags
 from absl import logging
 import jax
 import matplotlib
 import numpy as np
-from ml_collections import config_flags
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
 import kvjax  # pylint: disable=g-import-not-at-top
 from kvjax import benchmarking as bm  # pylint: disable=g-import-not-at-top
+from kvjax import cli  # pylint: disable=g-import-not-at-top
 from kvjax import configs as cfg_lib  # pylint: disable=g-import-not-at-top
 from kvjax import inference  # pylint: disable=g-import-not-at-top
 from kvjax import packed  # pylint: disable=g-import-not-at-top
 from kvjax import tolerance  # pylint: disable=g-import-not-at-top
+from configs import model as model_presets  # pylint: disable=g-import-not-at-top
 
-_CONFIG = config_flags.DEFINE_config_file(
+_CONFIG = cli.DEFINE_config_file(
     "config", os.path.join(os.path.dirname(__file__), "..", "configs",
                            "model.py:gqa-medium"),
     "Model preset (a gqa/mha/mqa preset: transformers builds a Llama).",
-    lock_config=True)
+    presets=[p for p in model_presets.PRESETS if not p.startswith("mla")])
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/kvjax_peer", "Output dir.")
-_BATCHES = flags.DEFINE_list("batches", ["1", "8"], "Batch sizes.")
-_PROMPT = flags.DEFINE_integer("prompt_len", 128, "Prompt tokens.")
-_NEW = flags.DEFINE_integer("new_tokens", 256, "Generated tokens.")
-_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed rounds (medians).")
+_BATCHES = cli.DEFINE_int_list("batches", [1, 8], "Batch sizes.",
+                               lower_bound=1)
+_PROMPT = flags.DEFINE_integer("prompt_len", 128, "Prompt tokens.",
+                               lower_bound=1)
+_NEW = flags.DEFINE_integer(
+    "new_tokens", 256, "Generated tokens (>= 2: decode time = generate - "
+    "prefill).", lower_bound=2)
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed rounds (medians).",
+                                lower_bound=1)
 PEER_LAYOUTS = ("loaded",) + packed.LAYOUTS
-_LAYOUTS = flags.DEFINE_list(
-    "layouts", ["loaded"],
+_LAYOUTS = cli.DEFINE_choice_list(
+    "layouts", ["loaded"], PEER_LAYOUTS,
     f"kvjax params layouts to time (of {', '.join(PEER_LAYOUTS)}); fewer "
     "layouts leave time for more rounds.")
 _CHECK_TOKENS = flags.DEFINE_integer(
-    "check_tokens", 32, "Greedy tokens compared between the two (batch 1).")
+    "check_tokens", 32, "Greedy tokens compared between the two (batch 1).",
+    lower_bound=1)
 _OMP_PASSIVE = flags.DEFINE_bool(
     "omp_passive", False,
     "Set OMP_WAIT_POLICY=PASSIVE before importing torch (it sometimes "
     "stalls ~8 ms per parallel region on this machine).")
 _TORCH_THREADS = flags.DEFINE_integer("torch_threads", 0,
-                                      "torch.set_num_threads (0: default).")
-_SEED = flags.DEFINE_integer("seed", 0, "Weights and prompt seed.")
+                                      "torch.set_num_threads (0: default).",
+                                      lower_bound=0)
+_SEED = flags.DEFINE_integer("seed", 0, "Weights and prompt seed.",
+                             lower_bound=0)
 
 
 def _import_peer():
-  """(torch, transformers) or a clear SystemExit when they are absent."""
+  """(torch, transformers), or a one-line error when they are absent."""
   if _OMP_PASSIVE.value:
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
   try:
     import torch  # pylint: disable=g-import-not-at-top
     import transformers  # pylint: disable=g-import-not-at-top
   except ImportError as e:
-    raise SystemExit(
-        f"peer_benchmark needs torch and transformers ({e}). Install the "
-        "optional extra: pip install -e '.[bench]' (torch==2.13.0 CPU).")
+    raise cli.UsageError(
+        f"peer_benchmark needs torch and transformers ({e}); install the "
+        "optional extra: pip install -e '.[bench]' (torch==2.13.0 CPU)"
+    ) from e
   return torch, transformers
+
+
+def check_llama(config: kvjax.ModelConfig) -> None:
+  """Refuses a config transformers' Llama cannot hold (MLA, MoE)."""
+  if config.attention != "gqa" or config.is_moe:
+    raise ValueError(f"--config: the peer model is a Llama; attention="
+                     f"{config.attention!r}"
+                     f"{' with MoE' if config.is_moe else ''} is not "
+                     "supported here")
 
 
 def hf_llama_config(transformers, config: kvjax.ModelConfig):
   """The transformers LlamaConfig of a kvjax GQA-family config."""
-  if config.attention != "gqa" or config.is_moe:
-    raise ValueError(f"--config: the peer model is a Llama; attention="
-                     f"{config.attention!r} is not supported here")
+  check_llama(config)
   return transformers.LlamaConfig(
       vocab_size=config.vocab_size, hidden_size=config.embed_dim,
       intermediate_size=config.mlp_dim, num_hidden_layers=config.num_layers,
@@ -105,18 +122,9 @@ def hf_llama_config(transformers, config: kvjax.ModelConfig):
       eos_token_id=None, pad_token_id=None)
 
 
-def _check_flags():
-  """Bad flag values stop the run before any model is built."""
-  bad = [x for x in _LAYOUTS.value if x not in PEER_LAYOUTS]
-  if bad or not _LAYOUTS.value or len(set(_LAYOUTS.value)) != len(
-      _LAYOUTS.value):
-    raise ValueError(f"--layouts={','.join(_LAYOUTS.value)}: expected "
-                     f"distinct names of {PEER_LAYOUTS}")
-  if _REPEATS.value < 1:
-    raise ValueError(f"--repeats={_REPEATS.value}: must be >= 1")
-  if _NEW.value < 2:
-    raise ValueError(f"--new_tokens={_NEW.value}: must be >= 2 (decode "
-                     "time = generate - prefill)")
+def _rounds(results) -> int:
+  row = next(iter(results["batches"].values()))
+  return len(row["hf_decode_tokens_per_s_rounds"])
 
 
 def plot(results, layouts, path):
@@ -142,8 +150,11 @@ def plot(results, layouts, path):
                     textcoords="offset points")
   ax.set(xticks=x + 0.1 * (len(whos) - 1),
          xticklabels=[f"batch {b}" for b in bs],
-         ylabel="decode tokens/s (whiskers: rounds' quartiles)",
-         title=f"{results['preset']}: same weights, same run")
+         ylabel="decode tokens/s (higher is better)",
+         title=f"{results['preset']}: same weights, same run, prompt "
+         f"{results['prompt_len']}, {results['new_tokens']} new tokens\n"
+         f"bars: medians of {_rounds(results)} rounds; whiskers: the "
+         "rounds' quartiles; labels: kvjax / transformers")
   ax.margins(y=0.12)
   ax.legend()
   fig.tight_layout()
@@ -153,14 +164,16 @@ def plot(results, layouts, path):
 
 def main(argv):
   del argv
-  _check_flags()
+  with cli.checking("--config.model"):
+    config = cfg_lib.model_config(_CONFIG.value.model)
+  with cli.checking():
+    check_llama(config)
   torch, transformers = _import_peer()
+  hf_config = hf_llama_config(transformers, config)
   if _TORCH_THREADS.value:
     torch.set_num_threads(_TORCH_THREADS.value)
-  config = cfg_lib.model_config(_CONFIG.value.model)
   torch.manual_seed(_SEED.value)
-  hf_model = transformers.LlamaForCausalLM(hf_llama_config(transformers,
-                                                           config))
+  hf_model = transformers.LlamaForCausalLM(hf_config)
   hf_model = hf_model.to(torch.float32).eval()
   hf_model.generation_config.pad_token_id = None
   hf_model.generation_config.eos_token_id = None
@@ -227,7 +240,8 @@ def main(argv):
                  greedy_agree=agree,
                  greedy_checked=n_check, machine=bm.machine_info(),
                  batches={})
-  for B in [int(b) for b in _BATCHES.value]:
+  partial = cli.JsonLines(os.path.join(_WORKDIR.value, "peer.jsonl"))
+  for i, B in enumerate(_BATCHES.value):
     ids = rng.integers(0, config.vocab_size, (B, T))
     ids_t = torch.from_numpy(ids)
     ids_j = jax.numpy.asarray(ids, jax.numpy.int32)
@@ -261,17 +275,18 @@ def main(argv):
                                      row[f"kvjax_{lay}_prefill_s"])
       sp = row[f"decode_ratio_{lay}_spread"]
       logging.info(
-          "batch %d, kvjax %s: decode kvjax %.1f tok/s, transformers %.1f "
-          "tok/s -> %.2fx (rounds: min %.2f, quartiles %.2f-%.2f, max %.2f)"
-          " | prefill %dx%d kvjax %.1f ms, transformers %.1f ms -> %.2fx",
-          B, lay, row[f"kvjax_{lay}_decode_tokens_per_s"],
+          "[%d/%d] batch %d, kvjax %s: decode kvjax %.1f tok/s, "
+          "transformers %.1f tok/s -> %.2fx (rounds: min %.2f, quartiles "
+          "%.2f-%.2f, max %.2f) | prefill %dx%d kvjax %.1f ms, transformers "
+          "%.1f ms -> %.2fx", i + 1, len(_BATCHES.value), B, lay, row[f"kvjax_{lay}_decode_tokens_per_s"],
           row["hf_decode_tokens_per_s"], row[f"decode_ratio_{lay}"],
           sp["min"], sp["q1"], sp["q3"], sp["max"], B, T,
           1e3 * row[f"kvjax_{lay}_prefill_s"], 1e3 * row["hf_prefill_s"],
           row[f"prefill_ratio_{lay}"])
     results["batches"][B] = row
+    partial.write(dict(batch=B, **row))
+  partial.close()
 
-  os.makedirs(_WORKDIR.value, exist_ok=True)
   with open(os.path.join(_WORKDIR.value, "peer.json"), "w") as f:
     json.dump(results, f, indent=1, default=float)
   plot(results, list(layouts), os.path.join(_WORKDIR.value, "peer.png"))
@@ -281,4 +296,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  sys.exit(app.run(main))
+  cli.run(main)

@@ -15,80 +15,141 @@ recompute scored on every 4th token) took 6 min on the shared 2-core CPU;
 --recompute_stride=1 scores every token (recompute costs W forward tokens
 per scored token).
 
-Outputs in --workdir: results.json (table, curves, timings, flags),
-perplexity.png, table.md.
+Outputs in --workdir: results.jsonl (one line per policy, written as each
+finishes, then the timings and attention profiles: a stopped run keeps what
+it measured), results.json (table, curves, timings, flags), perplexity.png,
+table.md. The table is printed on stdout.
+
+Needs the corpus: `python -m kvjax.data --setup` (once).
 """
 
 import json
 import os
+import time
 
-from absl import app
 from absl import flags
 from absl import logging
 import jax
-from ml_collections import config_flags
+import numpy as np
 
 import kvjax
+from kvjax import cli
 from kvjax import configs
 from kvjax import data
+from kvjax import job
 from kvjax import streaming
 from kvjax import train
+from configs import model as model_presets
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.",
                                required=True)
 _CHECKPOINT = flags.DEFINE_string(
-    "checkpoint", "checkpoints/austen-gqa",
+    "checkpoint", job.SHIPPED_MODEL,
     "Training workdir of experiments/train.py (kvjax.train.restore_params); "
     "empty: a random-weight model from --model (a smoke run, not a result).")
-_MODEL = config_flags.DEFINE_config_file(
-    "model", "configs/model.py:gqa-tiny",
+_MODEL = cli.DEFINE_config_file(
+    "model", os.path.join(os.path.dirname(__file__), "..", "configs",
+                          "model.py:gqa-tiny"),
     "Random-weight model preset, used only with --checkpoint=''.",
-    lock_config=True)
-_STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: last).")
-_DATA_DIR = flags.DEFINE_string("data_dir", None,
-                                "Austen corpus (default: kvjax.data's).")
-_NOVEL = flags.DEFINE_string("novel", data.VALIDATION_NOVEL,
-                             "Held-out novel to stream.")
-_OFFSET = flags.DEFINE_integer("offset", 0, "First token of the stream.")
-_STREAM_LEN = flags.DEFINE_integer("stream_len", 8192, "Tokens (bytes).")
+    presets=model_presets.PRESETS)
+_STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: last).",
+                             lower_bound=0)
+_DATA_DIR = flags.DEFINE_string(
+    "data_dir", None, "Austen corpus (default: $KVJAX_DATA_DIR, else the "
+    "user's cache directory; kvjax.data.resolve_data_dir).")
+_NOVEL = flags.DEFINE_enum("novel", data.VALIDATION_NOVEL, data.NOVELS,
+                           "Held-out novel to stream.")
+_OFFSET = flags.DEFINE_integer("offset", 0, "First token of the stream.",
+                               lower_bound=0)
+_STREAM_LEN = flags.DEFINE_integer("stream_len", 8192, "Tokens (bytes).",
+                                   lower_bound=2)
 _CAPACITY = flags.DEFINE_integer("capacity", 256,
-                                 "Cache slots S of every bounded policy.")
+                                 "Cache slots S of every bounded policy.",
+                                 lower_bound=1)
 _POLICIES = flags.DEFINE_list(
     "policies", "dense,window,sinks1,sinks2,sinks4,sinks8,recompute,h2o",
     "Rows: dense, window, sinks<n>, h2o, recompute; ':original' / ':cache' "
-    "picks the RoPE position mode.")
+    "picks the RoPE position mode (sinks and h2o default to 'cache', "
+    "StreamingLLM's choice).")
 _H2O_RECENT = flags.DEFINE_integer("h2o_recent", 0,
-                                   "H2O recent window (0: capacity // 2).")
+                                   "H2O recent window (0: capacity // 2).",
+                                   lower_bound=0)
 _RECOMPUTE_STRIDE = flags.DEFINE_integer(
     "recompute_stride", 4,
     "Recompute scores every k-th token only (1: every token; its cost is "
-    "W forward tokens per scored token).")
-_CHUNK = flags.DEFINE_integer("chunk", 512, "Tokens per compiled chunk.")
+    "W forward tokens per scored token).", lower_bound=1)
+_CHUNK = flags.DEFINE_integer("chunk", 512, "Tokens per compiled chunk.",
+                              lower_bound=1)
 _MICRO_BATCH = flags.DEFINE_integer("micro_batch", 8,
-                                    "Recompute windows per vectorised step.")
-_BIN = flags.DEFINE_integer("bin", 256, "Positions per plotted bin.")
+                                    "Recompute windows per vectorised step.",
+                                    lower_bound=1)
+_BIN = flags.DEFINE_integer("bin", 256, "Positions per plotted bin.",
+                            lower_bound=1)
 _TIME_POLICIES = flags.DEFINE_list(
     "time_policies", "sinks4,sinks4:original,window,recompute",
     "Rows timed per token at batch 1 (empty: no timing).")
-_TIME_STEPS = flags.DEFINE_integer("time_steps", 32, "Tokens per timing.")
-_TIME_CAPACITIES = flags.DEFINE_list(
-    "time_capacities", [], "Cache sizes to time at (default: --capacity).")
+_TIME_STEPS = flags.DEFINE_integer("time_steps", 32, "Tokens per timing.",
+                                   lower_bound=1)
+_TIME_CAPACITIES = cli.DEFINE_int_list(
+    "time_capacities", [], "Cache sizes to time at (default: --capacity).",
+    lower_bound=1, allow_empty=True)
 _TIME_ROUNDS = flags.DEFINE_integer("time_rounds", 7,
-                                    "Interleaved timing rounds (median).")
-_PROFILE_OFFSETS = flags.DEFINE_list(
-    "profile_offsets", ["10000", "100000"],
+                                    "Interleaved timing rounds (median).",
+                                    lower_bound=1)
+_PROFILE_OFFSETS = cli.DEFINE_int_list(
+    "profile_offsets", [10000, 100000],
     "Novel offsets of --capacity-byte windows whose attention profile (mass "
-    "on the first token, locality) is recorded: is there an attention sink?")
+    "on the first token, locality) is recorded: is there an attention sink?",
+    lower_bound=0, allow_empty=True)
 _FLAGS = (_CHECKPOINT, _STEP, _NOVEL, _OFFSET, _STREAM_LEN, _CAPACITY,
           _POLICIES, _H2O_RECENT, _RECOMPUTE_STRIDE, _CHUNK, _MICRO_BATCH,
           _BIN, _PROFILE_OFFSETS, _TIME_POLICIES, _TIME_CAPACITIES, _TIME_STEPS,
           _TIME_ROUNDS)
 
 
+def perplexity_curve(nll, bin_size: int):
+  """`streaming.perplexity_by_position` with the last, partial bin kept
+  (plotted at the centre of the positions it holds): the curve reaches the
+  end of the stream."""
+  nll = np.asarray(nll, np.float64)
+  nll = nll.reshape(-1, nll.shape[-1])
+  n = nll.shape[1]
+  full = n // bin_size * bin_size
+  if not full:
+    return streaming.perplexity_by_position(nll, n)
+  x, y = streaming.perplexity_by_position(nll[:, :full], bin_size)
+  if full < n:
+    xt, yt = streaming.perplexity_by_position(nll[:, full:], n - full)
+    x, y = np.concatenate([x, xt + full]), np.concatenate([y, yt])
+  return x, y
+
+
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  os.makedirs(_WORKDIR.value, exist_ok=True)
+  del argv
+  n, cap = _STREAM_LEN.value, _CAPACITY.value
+  # Every choice is checked, and the corpus read, before a model loads.
+  with cli.checking("--policies"):
+    rows = {name: streaming.parse_policy(name, cap, n, _H2O_RECENT.value)
+            for name in _POLICIES.value}
+  with cli.checking("--time_policies"):
+    for c in _TIME_CAPACITIES.value or [cap]:
+      for name in _TIME_POLICIES.value:
+        streaming.parse_policy(name, c, n, _H2O_RECENT.value)
+  with cli.checking():
+    if _CHECKPOINT.value and not os.path.isdir(_CHECKPOINT.value):
+      raise ValueError(f"--checkpoint={_CHECKPOINT.value}: no such directory")
+    stream = data.heldout_stream(_DATA_DIR.value, _NOVEL.value)
+    if _OFFSET.value + n > len(stream):
+      raise ValueError(f"--offset={_OFFSET.value} + --stream_len={n} exceed "
+                       f"the {len(stream)}-token novel {_NOVEL.value!r}")
+    late = [o for o in _PROFILE_OFFSETS.value if o + cap > len(stream)]
+    if late:
+      raise ValueError(f"--profile_offsets {late}: a {cap}-token window "
+                       f"from there overruns the {len(stream)}-token novel")
+  with cli.checking("--model.model"):
+    random_config = None if _CHECKPOINT.value else configs.model_config(
+        _MODEL.value.model).replace(vocab_size=data.VOCAB_SIZE)
+  tokens = stream[_OFFSET.value:_OFFSET.value + n]
   step = None
   if _CHECKPOINT.value:
     config, params = train.restore_params(_CHECKPOINT.value, _STEP.value)
@@ -98,60 +159,65 @@ def main(argv):
       train_len = int(json.load(f).get("train", {}).get("seq_len", 0))
   else:
     logging.warning("random weights (--checkpoint=''): a smoke run only")
-    config = configs.model_config(_MODEL.value.model).replace(
-        vocab_size=data.VOCAB_SIZE)
+    config = random_config
     params = kvjax.init_params(config, jax.random.key(0))
     train_len = 0
-  stream = data.heldout_stream(_DATA_DIR.value, _NOVEL.value)
-  tokens = stream[_OFFSET.value:_OFFSET.value + _STREAM_LEN.value]
-  if len(tokens) < _STREAM_LEN.value:
-    raise ValueError(f"stream_len={_STREAM_LEN.value} + offset exceeds the "
-                     f"{len(stream)}-token novel")
-  n, cap = len(tokens), _CAPACITY.value
   logging.info("model %s (%s), train context %d; stream %d tokens, S=%d",
                config.variant, _CHECKPOINT.value, train_len, n, cap)
-  rows = {name: streaming.parse_policy(name, cap, n, _H2O_RECENT.value)
-          for name in _POLICIES.value}
 
-  nll, seconds = streaming.evaluate_rows(
-      params, config, tokens, rows, chunk=_CHUNK.value,
-      micro_batch=_MICRO_BATCH.value,
-      recompute_stride=_RECOMPUTE_STRIDE.value, log_every=2048)
-  table = streaming.summarize(nll, rows, cap)
-  for r in table:
-    r["eval_seconds"] = seconds[r["name"]]
+  partial = cli.JsonLines(os.path.join(_WORKDIR.value, "results.jsonl"))
+  nll, table = {}, []
+  for i, (name, row) in enumerate(rows.items(), 1):
+    t0 = time.perf_counter()
+    nll[name] = np.asarray(streaming.evaluate(
+        params, config, tokens, row, chunk=_CHUNK.value,
+        micro_batch=_MICRO_BATCH.value,
+        recompute_stride=_RECOMPUTE_STRIDE.value, log_every=2048))
+    seconds = time.perf_counter() - t0
+    line = streaming.summarize({name: nll[name]}, {name: row}, cap)[0]
+    line["eval_seconds"] = seconds
+    table.append(line)
+    partial.write(dict(kind="policy", **line))
+    logging.info("[%d/%d] %s: perplexity %.3f (%.0f s)", i, len(rows), name,
+                 line["ppl"], seconds)
   md = streaming.markdown_table(table)
-  print(md)
+  print(md, flush=True)
 
   timing = streaming.timing_table(
       params, config, tokens, _TIME_POLICIES.value,
-      [int(c) for c in _TIME_CAPACITIES.value] or [cap],
-      h2o_recent=_H2O_RECENT.value, steps=_TIME_STEPS.value,
-      rounds=_TIME_ROUNDS.value)
+      _TIME_CAPACITIES.value or [cap], h2o_recent=_H2O_RECENT.value,
+      steps=_TIME_STEPS.value, rounds=_TIME_ROUNDS.value)
   for t in timing:
+    partial.write(dict(kind="timing", **t))
     print(f"S={t['slots']} {t['name']}: {t['ms_per_token']:.3f} ms/token" +
           (f" (recompute / this = {t['recompute_over_this']:.1f}x)"
-           if "recompute_over_this" in t else ""))
+           if "recompute_over_this" in t else ""), flush=True)
 
   profiles = []
-  for off in (int(o) for o in _PROFILE_OFFSETS.value):
+  for off in _PROFILE_OFFSETS.value:
     prof = streaming.attention_profile(params, config,
                                        stream[off:off + cap])
     profiles.append(dict(offset=off, **prof))
+    partial.write(dict(kind="attention_profile", **profiles[-1]))
     print(f"attention, bytes {off}..{off + cap}, queries {cap // 2}..{cap - 1}:"
           f" first token {prof['first_token']:.5f} (uniform "
           f"{prof['first_token_if_uniform']:.5f}), distance < "
           f"{prof['near']}: {prof['within_near']:.3f}, >= {prof['far']}: "
-          f"{prof['beyond_far']:.3f}")
+          f"{prof['beyond_far']:.3f}", flush=True)
+  partial.close()
 
-  curves = {name: streaming.perplexity_by_position(v, _BIN.value)
-            for name, v in nll.items()}
+  curves = {name: perplexity_curve(v, _BIN.value) for name, v in nll.items()}
+  stride = _RECOMPUTE_STRIDE.value
   title = (f"{config.variant} byte model "
            f"({_CHECKPOINT.value or 'random weights'}, step {step}), "
-           f"{_NOVEL.value}[{_OFFSET.value}:+{n}], S={cap}")
+           f"{_NOVEL.value}[{_OFFSET.value}:+{n}], S={cap}; one stream, "
+           "deterministic (no seeds)" +
+           (f"; recompute scores every {stride}th token"
+            if "recompute" in rows and stride > 1 else ""))
   streaming.plot_perplexity(curves, os.path.join(_WORKDIR.value,
                                                  "perplexity.png"),
-                            capacity=cap, train_len=train_len, title=title)
+                            capacity=cap, train_len=train_len, title=title,
+                            bin_size=_BIN.value)
   with open(os.path.join(_WORKDIR.value, "table.md"), "w") as f:
     f.write(md + "\n")
   results = dict(
@@ -169,4 +235,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

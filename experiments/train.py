@@ -3,32 +3,46 @@ r"""Trains a byte-level kvjax model on the Austen novels.
   python -m kvjax.data --setup        # once: installs the corpus
   python experiments/train.py --config=configs/train.py:gqa \
       --workdir=workdir/train-gqa
+  python experiments/train.py --workdir=/tmp/t --config.train.num_steps=250
+  python experiments/train.py --show_config   # every --config.* field
 
 Re-running with the same --workdir resumes from the latest checkpoint.
-Outputs (checkpoints, metrics.jsonl, loss.png, final.json) go to --workdir;
-`kvjax.train.restore_params(workdir)` loads the model for inference.
+Outputs (checkpoints, metrics.jsonl written as training goes, loss.png,
+final.json) go to --workdir; `kvjax.train.restore_params(workdir)` loads the
+model for inference. The corpus is read from --config.train.data_dir, else
+$KVJAX_DATA_DIR, else the user's cache directory (`python -m kvjax.data`
+prints where).
 """
 
-from absl import app
+import os
+
 from absl import flags
-from ml_collections import config_flags
 
+from kvjax import cli
 from kvjax import configs
+from kvjax import data
 from kvjax import train
+from configs import train as train_presets
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", "configs/train.py", "Training config file.", lock_config=True)
+_CONFIG = cli.DEFINE_config_file(
+    "config", os.path.join(os.path.dirname(__file__), "..", "configs",
+                           "train.py:gqa"),
+    "Training config (model + train sections).",
+    presets=train_presets.VARIANTS, example="train.num_steps=250")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.",
                                required=True)
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  del argv
   cfg = _CONFIG.value
-  train.run(configs.model_config(cfg.model),
-            train.TrainConfig.from_dict(cfg.train.to_dict()), _WORKDIR.value)
+  with cli.checking("--config.model"):
+    model_config = configs.model_config(cfg.model)
+  with cli.checking("--config.train"):
+    train_config = train.TrainConfig.from_dict(cfg.train.to_dict())
+  data.locate_corpus(train_config.data_dir)  # one line when it is missing
+  train.run(model_config, train_config, _WORKDIR.value)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -17,11 +17,13 @@ import statistics
 import time
 from typing import Any, Callable, Mapping, Sequence
 
+from absl import logging
 import jax
 import numpy as np
 
 from kvjax import benchmarking
 from kvjax import cache as cache_lib
+from kvjax import cli
 from kvjax import inference
 from kvjax import train
 from kvjax.config import ModelConfig
@@ -36,6 +38,7 @@ class Run:
   bits_per_byte: float
   loss: float
   wall_s: float
+  steps: int = 0  # training steps of the run (final.json's step)
 
 
 def train_all(model_configs: Mapping[str, ModelConfig],
@@ -45,19 +48,30 @@ def train_all(model_configs: Mapping[str, ModelConfig],
   """Trains every (variant, seed) into workdir/<variant>-s<seed>.
 
   A finished run (its final.json exists) is not retrained, so an
-  interrupted ablation resumes where it stopped.
+  interrupted ablation resumes where it stopped. Each run is logged as it
+  starts and appended to workdir/runs.jsonl as it finishes (or is found
+  finished).
   """
   runs = []
-  for seed in seeds:
-    for variant, mc in model_configs.items():
-      wd = pathlib.Path(workdir) / f"{variant}-s{seed}"
-      final_path = wd / "final.json"
-      if final_path.exists():
-        final = json.loads(final_path.read_text())
-      else:
-        final = run_fn(mc, dataclasses.replace(train_config, seed=seed), wd)
-      runs.append(Run(variant, seed, str(wd), final["bits_per_byte"],
-                      final["loss"], final.get("wall_s", float("nan"))))
+  total = len(seeds) * len(model_configs)
+  with cli.JsonLines(pathlib.Path(workdir) / "runs.jsonl") as partial:
+    for seed in seeds:
+      for variant, mc in model_configs.items():
+        wd = pathlib.Path(workdir) / f"{variant}-s{seed}"
+        final_path = wd / "final.json"
+        if final_path.exists():
+          final = json.loads(final_path.read_text())
+          logging.info("[%d/%d] %s seed %d: finished before (%s)",
+                       len(runs) + 1, total, variant, seed, final_path)
+        else:
+          logging.info("[%d/%d] training %s seed %d (%d steps) into %s",
+                       len(runs) + 1, total, variant, seed,
+                       train_config.num_steps, wd)
+          final = run_fn(mc, dataclasses.replace(train_config, seed=seed), wd)
+        runs.append(Run(variant, seed, str(wd), final["bits_per_byte"],
+                        final["loss"], final.get("wall_s", float("nan")),
+                        int(final.get("step", train_config.num_steps))))
+        partial.write(dataclasses.asdict(runs[-1]))
   return runs
 
 
@@ -97,10 +111,13 @@ def summarize(runs: Sequence[Run], model_configs: Mapping[str, ModelConfig],
   """One row per variant: bpb per seed, mean and spread, bytes, speed."""
   rows = []
   for variant, mc in model_configs.items():
-    bpb = [r.bits_per_byte for r in runs if r.variant == variant]
+    mine = [r for r in runs if r.variant == variant]
+    bpb = [r.bits_per_byte for r in mine]
     rows.append(dict(
         variant=variant, params=param_count(mc),
         kv_bytes_per_token=cache_lib.kv_bytes_per_token(mc),
+        seeds=[r.seed for r in mine],
+        steps=sorted({r.steps for r in mine}),
         bpb_per_seed=bpb, bpb_mean=statistics.mean(bpb),
         bpb_spread=(max(bpb) - min(bpb)) if len(bpb) > 1 else 0.0,
         decode_tokens_per_s=tokens_per_s[variant],
@@ -120,26 +137,61 @@ def markdown(rows: Sequence[Mapping[str, Any]]) -> str:
   return "\n".join(out)
 
 
-def plot(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike) -> None:
-  """Validation bits/byte against KV bytes per token (one point per seed)."""
+def _count(values: Sequence[int], what: str) -> str:
+  """'600 steps', or '300-600 steps' when the runs differ."""
+  values = sorted(set(values))
+  if not values:
+    return f"? {what}"
+  span = (f"{values[0]}" if len(values) == 1 else
+          f"{values[0]}-{values[-1]}")
+  return f"{span} {what}"
+
+
+def plot(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike
+         ) -> dict[str, Any]:
+  """Validation bits/byte against KV bytes per token: one dot per seed, the
+  mean with a bar over the seeds' range (min to max); the title says how
+  many seeds and training steps the points are. Returns the figure's
+  words (`benchmarking.figure_labels`)."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  fig, ax = plt.subplots(figsize=(6.4, 4.4))
-  for r in rows:
+  from matplotlib import transforms  # pylint: disable=g-import-not-at-top
+  fig, ax = plt.subplots(figsize=(6.4, 4.6))
+  for k, r in enumerate(rows):
     x = r["kv_bytes_per_token"]
-    ax.scatter([x] * len(r["bpb_per_seed"]), r["bpb_per_seed"], alpha=0.5)
-    ax.errorbar([x], [r["bpb_mean"]], fmt="o", color="black", ms=3)
+    bpb = r["bpb_per_seed"]
+    # The seeds' dots a few points right of the mean and its bar.
+    for i, b in enumerate(bpb):
+      shift = transforms.ScaledTranslation((7 + 5 * i) / 72, 0,
+                                           fig.dpi_scale_trans)
+      ax.scatter([x], [b], alpha=0.7, s=14, color=f"C{k}",
+                 transform=ax.transData + shift)
+    ax.errorbar([x], [r["bpb_mean"]],
+                yerr=[[r["bpb_mean"] - min(bpb)], [max(bpb) - r["bpb_mean"]]],
+                fmt="o", color="black", ms=4, capsize=4)
     ax.annotate(r["variant"], (x, r["bpb_mean"]), textcoords="offset points",
-                xytext=(6, 4))
+                xytext=(-8, 4), ha="right")
   ax.set_xscale("log", base=2)
+  ax.margins(x=0.12)
+  from matplotlib.ticker import NullFormatter  # pylint: disable=g-import-not-at-top
+  xs = sorted({r["kv_bytes_per_token"] for r in rows})
+  ax.set_xticks(xs, [f"{x:,}" for x in xs])
+  ax.xaxis.set_minor_formatter(NullFormatter())
   ax.set_xlabel("KV cache bytes per token (float32, all layers)")
   ax.set_ylabel("validation bits per byte (lower is better)")
-  ax.set_title("Quality vs cache size at matched parameters")
+  seeds = _count([len(r["bpb_per_seed"]) for r in rows], "seeds per variant")
+  steps = _count([s for r in rows for s in r.get("steps", ())],
+                 "training steps each")
+  ax.set_title("Quality vs cache size at matched parameters\n"
+               f"{seeds}, {steps}; black: mean, bar: min-max over seeds",
+               fontsize=10)
   ax.grid(alpha=0.3)
   fig.tight_layout()
-  fig.savefig(path, dpi=120)
+  labels = benchmarking.figure_labels(fig)
+  fig.savefig(path, dpi=120, bbox_inches="tight")
   plt.close(fig)
+  return labels
 
 
 def write_outputs(rows: Sequence[Mapping[str, Any]], runs: Sequence[Run],

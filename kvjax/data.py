@@ -16,7 +16,20 @@ Corpus: Jane Austen's six novels, shipped as R data inside the Debian package
 `r-cran-janeaustenr` (an R lazy-load database: `Rdata.rdx` is the index,
 `Rdata.rdb` holds one compressed, R-serialized character vector per novel, one
 element per line). Nothing is downloaded at run time; `python -m kvjax.data
---setup` is the explicit, one-off install step. The split is by document:
+--setup` is the explicit, one-off install step.
+
+Where the corpus lives (`resolve_data_dir`), first match wins:
+  1. a `data_dir` argument (the scripts' `--data_dir` flag,
+     `--config.train.data_dir`);
+  2. $KVJAX_DATA_DIR;
+  3. the user's cache directory, `$XDG_CACHE_HOME/kvjax/janeaustenr`
+     (`~/.cache/kvjax/janeaustenr` when XDG_CACHE_HOME is unset): where
+     `--setup` installs, whatever the working directory;
+  4. `data/janeaustenr` in the repository checkout, where `--setup` installed
+     before, read when it holds the corpus and the cache directory does not.
+`python -m kvjax.data` prints which one is used.
+
+The split is by document:
 `persuasion` (Austen's last complete novel, ~467 KB) is the validation and
 long-context evaluation text, the other five (~3.56 MB) are training text.
 
@@ -53,7 +66,11 @@ VOCAB_SIZE = 259
 
 DEBIAN_PACKAGE = "r-cran-janeaustenr"
 DATA_DIR_ENV = "KVJAX_DATA_DIR"
-DEFAULT_DATA_DIR = "data/janeaustenr"
+CORPUS_NAME = "janeaustenr"
+# Where `--setup` installed before the corpus moved to the cache directory:
+# relative to the working directory then, read now in the repository checkout.
+LEGACY_DATA_DIR = (pathlib.Path(__file__).resolve().parent.parent / "data" /
+                   CORPUS_NAME)
 INSTALL_COMMAND = "python -m kvjax.data --setup"
 # Where `dpkg -x` puts the R data inside the extraction root.
 _RDATA_SUBDIR = pathlib.Path("usr/lib/R/site-library/janeaustenr/data")
@@ -123,25 +140,47 @@ def decode(ids) -> str:
 # Corpus location, setup and loading.
 
 
-def resolve_data_dir(data_dir: str | os.PathLike | None = None) -> pathlib.Path:
-  """The corpus root: `data_dir` if given, else $KVJAX_DATA_DIR, else ./data/janeaustenr."""
-  if data_dir is None:
-    data_dir = os.environ.get(DATA_DIR_ENV) or DEFAULT_DATA_DIR
-  return pathlib.Path(data_dir)
+def default_data_dir() -> pathlib.Path:
+  """Where `--setup` installs by default: `$XDG_CACHE_HOME/kvjax/janeaustenr`,
+  else `~/.cache/kvjax/janeaustenr` (absolute, independent of the working
+  directory)."""
+  cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(
+      os.path.expanduser("~"), ".cache")
+  return pathlib.Path(cache).absolute() / "kvjax" / CORPUS_NAME
 
 
-def _install_message(root: pathlib.Path, what: str) -> str:
-  return (
-      f"{what}\n"
-      f"Install the Jane Austen corpus (one-off; needs the Debian and PyPI "
-      f"registries) with:\n"
-      f"  {INSTALL_COMMAND} --data_dir={root}\n"
-      f"which runs:\n"
-      f"  pip install rdata\n"
-      f"  apt-get download {DEBIAN_PACKAGE}\n"
-      f"  dpkg -x {DEBIAN_PACKAGE}_*.deb {root}\n"
-      f"or point ${DATA_DIR_ENV} (or the data_dir argument/flag) at an "
-      f"existing extraction.")
+def _has_corpus(root: pathlib.Path) -> bool:
+  return any((c / "Rdata.rdb").is_file() and (c / "Rdata.rdx").is_file()
+             for c in (root / _RDATA_SUBDIR, root))
+
+
+def install_dir(data_dir: str | os.PathLike | None = None) -> pathlib.Path:
+  """Where `setup_corpus(data_dir)` installs: `data_dir`, else
+  $KVJAX_DATA_DIR, else `default_data_dir()`."""
+  if data_dir is not None:
+    return pathlib.Path(data_dir)
+  return pathlib.Path(os.environ.get(DATA_DIR_ENV) or default_data_dir())
+
+
+def resolve_data_dir(data_dir: str | os.PathLike | None = None
+                     ) -> pathlib.Path:
+  """The corpus root read: `data_dir` if given, else $KVJAX_DATA_DIR, else
+  the cache directory (`default_data_dir()`), else the checkout's old
+  `data/janeaustenr` when only it holds the corpus (module docstring)."""
+  root = install_dir(data_dir)
+  if (data_dir is None and not os.environ.get(DATA_DIR_ENV) and
+      not _has_corpus(root) and _has_corpus(LEGACY_DATA_DIR)):
+    return LEGACY_DATA_DIR
+  return root
+
+
+def install_command(data_dir: str | os.PathLike | None = None) -> str:
+  """The exact command that installs the corpus where `load_austen(data_dir)`
+  looks for it."""
+  root = resolve_data_dir(data_dir)
+  if root.absolute() == resolve_data_dir(None).absolute():
+    return INSTALL_COMMAND
+  return f"{INSTALL_COMMAND} --data_dir={root}"
 
 
 def locate_corpus(data_dir: str | os.PathLike | None = None) -> pathlib.Path:
@@ -151,26 +190,28 @@ def locate_corpus(data_dir: str | os.PathLike | None = None) -> pathlib.Path:
   itself.
 
   Raises:
-    CorpusNotFoundError: neither layout is present; the message names the
-      install command.
+    CorpusNotFoundError: neither layout is present; the one-line message
+      names the command that installs it there.
   """
   root = resolve_data_dir(data_dir)
   for candidate in (root / _RDATA_SUBDIR, root):
     if (candidate / "Rdata.rdb").is_file() and (candidate / "Rdata.rdx").is_file():
       return candidate
-  raise CorpusNotFoundError(_install_message(
-      root, f"Jane Austen corpus not found: no Rdata.rdb/Rdata.rdx in {root} "
-      f"or {root / _RDATA_SUBDIR}."))
+  raise CorpusNotFoundError(
+      f"the Jane Austen corpus is not installed in {root}; install it with: "
+      f"{install_command(data_dir)} (one-off: pip install rdata, apt-get "
+      f"download {DEBIAN_PACKAGE}, dpkg -x), or point ${DATA_DIR_ENV} at an "
+      f"existing extraction")
 
 
 def _import_rdata():
   try:
     import rdata  # pylint: disable=g-import-not-at-top
   except ImportError as e:
-    raise ImportError(
-        "Reading the Austen corpus needs the `rdata` package: "
-        "`pip install rdata` (or `pip install -e .[corpus]`), or run "
-        f"`{INSTALL_COMMAND}`.") from e
+    raise CorpusNotFoundError(
+        "reading the Austen corpus needs the `rdata` package: pip install "
+        f"rdata (or pip install -e '.[corpus]', or {INSTALL_COMMAND})"
+    ) from e
   return rdata
 
 
@@ -220,9 +261,8 @@ def load_austen(data_dir: str | os.PathLike | None = None) -> dict[str, str]:
   element, blank lines included), so paragraphs and chapter breaks survive.
 
   Raises:
-    CorpusNotFoundError: the corpus is not installed (message names the
-      install command).
-    ImportError: `rdata` is missing (message names `pip install rdata`).
+    CorpusNotFoundError: the corpus is not installed, or `rdata` (which reads
+      it) is missing; the one-line message names the command that fixes it.
   """
   directory = locate_corpus(data_dir)
   rdata = _import_rdata()
@@ -249,10 +289,14 @@ def setup_corpus(data_dir: str | os.PathLike | None = None) -> pathlib.Path:
   This is the one explicit step that touches a registry; nothing else in
   kvjax downloads. Needs `apt-get` and `dpkg` (Debian) and the registries.
 
+  Args:
+    data_dir: where to install (default: `install_dir()`, i.e.
+      $KVJAX_DATA_DIR or the user's cache directory).
+
   Returns:
     The directory holding Rdata.rdb/.rdx.
   """
-  root = resolve_data_dir(data_dir).absolute()
+  root = install_dir(data_dir).absolute()
   try:
     import rdata  # pylint: disable=g-import-not-at-top,unused-import
   except ImportError:
@@ -427,24 +471,33 @@ def eval_batches(stream: np.ndarray, *, batch_size: int, seq_len: int,
 def _main(argv):
   del argv
   from absl import flags  # pylint: disable=g-import-not-at-top
-  from absl import logging  # pylint: disable=g-import-not-at-top
+  data_dir = flags.FLAGS.data_dir
   if flags.FLAGS.setup:
-    setup_corpus(flags.FLAGS.data_dir)
-  novels = load_austen(flags.FLAGS.data_dir)
+    try:
+      where = locate_corpus(data_dir)
+      print(f"corpus already installed at {where}")
+    except CorpusNotFoundError:
+      setup_corpus(data_dir)
+  novels = load_austen(data_dir)
   for name, text in novels.items():
-    logging.info("%-17s %9d bytes", name, len(text.encode("utf-8")))
-  streams = austen_streams(flags.FLAGS.data_dir)
-  logging.info("corpus at %s: train %d tokens, validation (%s) %d tokens",
-               locate_corpus(flags.FLAGS.data_dir), streams.train.shape[0],
-               VALIDATION_NOVEL, streams.validation.shape[0])
+    print(f"{name:<17} {len(text.encode('utf-8')):9d} bytes")
+  streams = austen_streams(data_dir)
+  print(f"corpus at {locate_corpus(data_dir)}: train {streams.train.shape[0]} "
+        f"tokens, validation ({VALIDATION_NOVEL}) "
+        f"{streams.validation.shape[0]} tokens")
 
 
 if __name__ == "__main__":
-  from absl import app  # pylint: disable=g-import-not-at-top
   from absl import flags  # pylint: disable=g-import-not-at-top
+  from kvjax import cli  # pylint: disable=g-import-not-at-top
+  # Run the imported module's _main (not this __main__ copy's), so that its
+  # CorpusNotFoundError is the class cli.run reports in one line.
+  from kvjax import data as _data  # pylint: disable=g-import-not-at-top
   flags.DEFINE_bool("setup", False,
                     "Install the corpus (pip install rdata, apt-get download, "
-                    "dpkg -x) before reading it.")
-  flags.DEFINE_string("data_dir", None,
-                      f"Corpus root; default ${DATA_DIR_ENV} or {DEFAULT_DATA_DIR}.")
-  app.run(_main)
+                    "dpkg -x) unless it is already there, then read it.")
+  flags.DEFINE_string(
+      "data_dir", None,
+      f"Corpus root (default: ${DATA_DIR_ENV}, else {default_data_dir()}; "
+      f"an old {LEGACY_DATA_DIR} is still read).")
+  cli.run(_data._main)  # pylint: disable=protected-access

@@ -22,6 +22,7 @@ from kvjax import model
 from kvjax import packed
 from kvjax.config import ModelConfig
 from kvjax.sampling import Sampler
+from kvjax.validate import check_int
 
 # The small byte-level model trained by `experiments/train.py` and shipped
 # with the repository (see WORKSPACE.md for the command that produced it).
@@ -74,6 +75,44 @@ def prompt_tokens(loaded: LoadedModel, *, text: str, batch: int,
                       dtype=np.int32)
 
 
+def check_request(*, max_new_tokens: int, batch: int, prompt_len: int,
+                  policy: cache_lib.CachePolicy | None = None,
+                  capacity: int = 0, verify_steps: int = 0, seed: int = 0,
+                  max_seq_len: int = 0) -> None:
+  """Refuses a request `run` cannot serve, on the host, before anything is
+  loaded or compiled.
+
+  Args:
+    prompt_len: T, the prompt's tokens.
+    capacity: cache slots (0: `run` picks the default).
+    max_seq_len: the model's limit, when known (0: not checked).
+  Raises:
+    ValueError naming the field: a count out of range, a capacity the
+    policy refuses, or a prompt plus new tokens that overflow a cache
+    without eviction or the model's max_seq_len.
+  """
+  check_int("max_new_tokens", max_new_tokens, 1)
+  check_int("batch", batch, 1)
+  check_int("prompt_len", prompt_len, 1)
+  check_int("capacity", capacity, 0)
+  check_int("verify_steps", verify_steps, 0)
+  check_int("seed", seed, 0)
+  policy = policy or cache_lib.CachePolicy()
+  if capacity:
+    policy.validate_capacity(capacity)
+    # The last token is sampled, never written: T + new - 1 slots.
+    if not policy.bounded and prompt_len + max_new_tokens - 1 > capacity:
+      raise ValueError(
+          f"capacity={capacity} holds fewer than the {prompt_len}-token "
+          f"prompt + {max_new_tokens} new tokens - 1 and eviction='none'; "
+          "raise capacity (0: enough) or choose an eviction")
+  if (max_seq_len and policy.positions != "cache" and
+      prompt_len + max_new_tokens > max_seq_len):
+    raise ValueError(f"max_new_tokens={max_new_tokens}: the {prompt_len}-"
+                     f"token prompt + {max_new_tokens} new tokens exceed the "
+                     f"model's max_seq_len={max_seq_len}")
+
+
 def run(loaded: LoadedModel, tokens: np.ndarray, *, max_new_tokens: int,
         policy: cache_lib.CachePolicy, capacity: int = 0,
         sampler: Sampler = Sampler(), seed: int = 0, verify_steps: int = 0,
@@ -91,11 +130,14 @@ def run(loaded: LoadedModel, tokens: np.ndarray, *, max_new_tokens: int,
   token comes from the prefill logits.
   """
   cfg = loaded.config
+  B, T = tokens.shape
+  check_request(max_new_tokens=max_new_tokens, batch=B, prompt_len=T,
+                policy=policy, capacity=capacity, verify_steps=verify_steps,
+                seed=seed, max_seq_len=cfg.max_seq_len)
   params = packed.for_decode(loaded.params, cfg)
   layout = "packed" if packed.is_packed(params) else "scan"
   if shardings is not None:
     params = shardings.put_params(params)
-  B, T = tokens.shape
   capacity = capacity or inference.default_capacity(
       inference.bucket_length(T), max_new_tokens)
   rng = jax.random.key(seed)
@@ -166,7 +208,10 @@ def format_report(r: dict[str, Any]) -> str:
       f"model        {r['source']}  ({r['variant']}, {r['layout']} params)",
       f"batch        {r['batch']} × prompt {r['prompt_len']} → "
       f"{r['max_new_tokens']} new tokens, capacity {r['capacity']}, "
-      f"eviction {r['policy']['eviction']}, kv {r['policy']['kv_dtype']}"
+      f"eviction {r['policy']['eviction']}"
+      + (f" (positions {r['policy']['positions']})"
+         if r['policy']['eviction'] != "none" else "")
+      + f", kv {r['policy']['kv_dtype']}"
       + (f" (keys per channel, groups of {r['policy']['key_group']})"
          if r['policy']['key_quant'] == "channel" else ""),
       f"prefill      {1e3 * r['prefill_s']:.1f} ms "

@@ -1,5 +1,6 @@
 """Tests for kvjax.data on small generated text; the real corpus is never needed."""
 
+import os
 import pathlib
 import struct
 import tempfile
@@ -10,6 +11,7 @@ from absl.testing import parameterized
 import numpy as np
 
 from kvjax import data
+import cases  # pylint: disable=g-bad-import-order
 
 _DOCS = {
     "alpha": "It is a truth universally acknowledged.\n\nChapter 2\n",
@@ -97,7 +99,7 @@ class BatchTest(parameterized.TestCase):
     super().setUp()
     self.stream = data.documents_to_stream(_DOCS)
 
-  @parameterized.product(batch_size=[1, 4], seq_len=[1, 16])
+  @cases.product(batch_size=(1, 4), seq_len=(1, 16))
   def test_train_batch_shape_and_values(self, batch_size, seq_len):
     batch = data.train_batch(self.stream, batch_size=batch_size,
                              seq_len=seq_len, seed=0, step=3)
@@ -144,27 +146,96 @@ class BatchTest(parameterized.TestCase):
                        seed=0, step=0)
 
 
-class CorpusTest(absltest.TestCase):
+def _fake_corpus(root: pathlib.Path) -> pathlib.Path:
+  """Empty Rdata files where `locate_corpus` looks (the R data layout)."""
+  directory = root / "usr/lib/R/site-library/janeaustenr/data"
+  directory.mkdir(parents=True)
+  for name in ("Rdata.rdb", "Rdata.rdx"):
+    (directory / name).write_bytes(b"")
+  return directory
 
-  def test_missing_corpus_names_install_command(self):
+
+class CorpusTest(absltest.TestCase):
+  """Where the corpus lives, and what a missing corpus says."""
+
+  def setUp(self):
+    super().setUp()
     # tempfile, not create_tempdir: the latter needs parsed absl flags,
     # which pytest does not provide.
-    with tempfile.TemporaryDirectory() as empty:
-      with self.assertRaises(data.CorpusNotFoundError) as ctx:
-        data.load_austen(empty)
-    message = str(ctx.exception)
-    self.assertIn("python -m kvjax.data --setup", message)
-    self.assertIn("apt-get download r-cran-janeaustenr", message)
-    self.assertIn(empty, message)
-    self.assertIsInstance(ctx.exception, FileNotFoundError)
+    tmp = tempfile.TemporaryDirectory()
+    self.addCleanup(tmp.cleanup)
+    self.tmp = pathlib.Path(tmp.name)
+    env = absltest.mock.patch.dict("os.environ", {
+        data.DATA_DIR_ENV: "", "XDG_CACHE_HOME": str(self.tmp / "cache")})
+    env.start()
+    self.addCleanup(env.stop)
+    # No corpus in the checkout unless a test puts one there.
+    legacy = absltest.mock.patch.object(data, "LEGACY_DATA_DIR",
+                                        self.tmp / "checkout/data/janeaustenr")
+    legacy.start()
+    self.addCleanup(legacy.stop)
 
-  def test_env_var_overrides_default(self):
+  def test_missing_corpus_is_one_line_with_the_exact_command(self):
+    empty = self.tmp / "empty"
+    with self.assertRaises(data.CorpusNotFoundError) as ctx:
+      data.load_austen(empty)
+    message = str(ctx.exception)
+    self.assertNotIn("\n", message)
+    self.assertIn(f"install it with: python -m kvjax.data --setup "
+                  f"--data_dir={empty} (", message)
+    self.assertIn("apt-get download r-cran-janeaustenr", message)
+    self.assertIsInstance(ctx.exception, FileNotFoundError)
+    # Where the plain command installs, the message gives the plain command.
+    with self.assertRaises(data.CorpusNotFoundError) as ctx:
+      data.load_austen()
+    self.assertIn(f"not installed in {data.default_data_dir()}; install it "
+                  "with: python -m kvjax.data --setup (", str(ctx.exception))
+
+  def test_default_is_the_user_cache_directory_whatever_the_cwd(self):
+    expected = self.tmp / "cache" / "kvjax" / "janeaustenr"
+    self.assertEqual(data.default_data_dir(), expected)
+    cwd = os.getcwd()
+    try:
+      os.chdir(self.tmp)
+      self.assertEqual(data.resolve_data_dir(), expected)
+      self.assertTrue(data.resolve_data_dir().is_absolute())
+    finally:
+      os.chdir(cwd)
+    self.assertEqual(data.install_dir(), expected)
+    with absltest.mock.patch.dict("os.environ", {"XDG_CACHE_HOME": ""}):
+      self.assertEqual(data.default_data_dir(), pathlib.Path(
+          os.path.expanduser("~")) / ".cache" / "kvjax" / "janeaustenr")
+
+  def test_argument_then_env_var_override_the_default(self):
     with absltest.mock.patch.dict("os.environ", {data.DATA_DIR_ENV: "/x/y"}):
       self.assertEqual(data.resolve_data_dir(), pathlib.Path("/x/y"))
+      self.assertEqual(data.install_dir(), pathlib.Path("/x/y"))
       self.assertEqual(data.resolve_data_dir("/z"), pathlib.Path("/z"))
-    with absltest.mock.patch.dict("os.environ", {data.DATA_DIR_ENV: ""}):
-      self.assertEqual(data.resolve_data_dir(),
-                       pathlib.Path(data.DEFAULT_DATA_DIR))
+      # The env var is what the plain command resolves to as well.
+      self.assertEqual(data.install_command(), data.INSTALL_COMMAND)
+    self.assertEqual(data.install_command("/z"),
+                     f"{data.INSTALL_COMMAND} --data_dir=/z")
+
+  def test_the_checkout_data_dir_is_still_read(self):
+    legacy = _fake_corpus(data.LEGACY_DATA_DIR)
+    self.assertEqual(data.resolve_data_dir(), data.LEGACY_DATA_DIR)
+    self.assertEqual(data.locate_corpus(), legacy)
+    # --setup still installs into the cache directory ...
+    self.assertEqual(data.install_dir(), data.default_data_dir())
+    # ... which, once it holds the corpus, is read first.
+    cached = _fake_corpus(data.default_data_dir())
+    self.assertEqual(data.locate_corpus(), cached)
+    # An explicit directory or the env var is never second-guessed.
+    self.assertEqual(data.resolve_data_dir(self.tmp / "elsewhere"),
+                     self.tmp / "elsewhere")
+
+  def test_missing_rdata_reader_names_the_fix(self):
+    _fake_corpus(data.default_data_dir())
+    with absltest.mock.patch.dict("sys.modules", {"rdata": None}):
+      with self.assertRaises(data.CorpusNotFoundError) as ctx:
+        data.load_austen()
+    self.assertIn("pip install rdata", str(ctx.exception))
+    self.assertNotIn("\n", str(ctx.exception))
 
   def test_rdb_entry_decompression(self):
     payload = b"X\n" + bytes(range(200))

@@ -3,8 +3,10 @@
 The scripts are thin absl mains over the library; a renamed library symbol
 or a missing import would otherwise surface only when someone runs a
 benchmark. Each script runs `--helpshort` in its own process (absl exits
-with status 1 after printing help; a failed import prints a traceback).
-The peer benchmark also runs end to end on the tiny preset.
+with status 1 after printing help; a failed import prints a traceback), and
+every script runs through `kvjax.cli.run` (one-line errors, --show_config,
+quiet logs: tests/test_cli.py). The peer benchmark also runs end to end on
+the tiny preset.
 """
 
 import glob
@@ -23,6 +25,13 @@ from configs import model as model_presets
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "experiments", "*.py")))
+# The scripts that run through kvjax.cli.run (a new script joins by calling
+# it: then it gives one-line errors, --show_config and quiet logs too).
+CLI_SCRIPTS = sorted(
+    os.path.join(ROOT, "experiments", f"{name}.py") for name in (
+        "ablate", "benchmark", "cache_table", "decode_layout",
+        "error_check_cost", "generate", "memory_growth", "peer_benchmark",
+        "streaming_eval", "train"))
 
 
 class ExperimentsImportTest(absltest.TestCase):
@@ -39,7 +48,24 @@ class ExperimentsImportTest(absltest.TestCase):
       name = os.path.basename(path)
       self.assertNotIn("Traceback", out + err, f"{name}:\n{err[-3000:]}")
       self.assertIn(name, out + err, f"{name} printed no flag help")
-      self.assertIn("--", out + err, name)
+      if path in CLI_SCRIPTS:
+        self.assertIn("--[no]show_config", out, name)
+
+  def test_every_script_refuses_a_stray_argument_in_one_line(self):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    procs = {path: subprocess.Popen(
+        [sys.executable, path, "stray"], cwd=ROOT, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for path in CLI_SCRIPTS}
+    for path, proc in procs.items():
+      out, err = proc.communicate(timeout=300)
+      name = os.path.basename(path)
+      self.assertEqual(proc.returncode, 2, f"{name}:\n{err[-3000:]}")
+      self.assertEqual(out, "", name)
+      self.assertLen(err.splitlines(), 1, f"{name}:\n{err[-3000:]}")
+      # A required flag may be named first; either way, one line.
+      self.assertRegex(err, r"^error: (unexpected arguments 'stray'|"
+                       r"--\w+ is required)", name)
 
 
 class PeerBenchmarkTest(absltest.TestCase):
