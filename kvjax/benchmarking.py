@@ -21,6 +21,10 @@ every number:
   memory     `PeakRSS` (the process's peak resident set size over a region,
              reset through /proc/self/clear_refs), `current_rss_bytes`,
              `executables_rss_bytes` (what compiled programs hold).
+  plots      `plot_positions`, `plot_variants`, `plot_sweep`: the
+             benchmark modes' figures, medians with the repeats' min-max as
+             error bars, units and repeat counts on the axes; each returns
+             `figure_labels` (the words it shows).
 
 Shapes use the alphabet of `kvjax.config`.
 """
@@ -42,9 +46,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import cache as cache_lib
+from kvjax import decode
 from kvjax import errors
 from kvjax import packed
 from kvjax import quant
+from kvjax import sampling
 from kvjax.config import ModelConfig
 
 
@@ -528,8 +534,20 @@ def machine_info() -> dict[str, Any]:
   except OSError:
     load = None
   return dict(jax=jax.__version__, backend=jax.default_backend(),
-              devices=[str(d) for d in jax.devices()],
+              devices=[str(d) for d in jax.devices()], cpu=cpu_model(),
               cpu_count=os.cpu_count(), loadavg=load)
+
+
+def cpu_model() -> str:
+  """The host CPU's model name (lscpu's "Model name"; '' if unknown)."""
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("model name"):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return ""
 
 
 # ---- runners: the measurements the experiments report ----------------------
@@ -574,20 +592,30 @@ def filled_cache(config: ModelConfig, batch: int, capacity: int, length: int,
       length=jnp.full((batch,), length, jnp.int32))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "steps"),
+@functools.partial(jax.jit, static_argnames=("config", "steps", "plan"),
                    donate_argnames=("cache",))
-def decode_loop(params, config, token_B, cache, steps: int):
-  """`steps` greedy decode steps in one `lax.scan` (the loop `generate`
-  runs). Returns (last token [B], new_cache)."""
-  from kvjax import model, sampling  # pylint: disable=g-import-not-at-top
-
-  def body(carry, _):
-    tok_B, cache = carry
-    logits_BV, cache = model.decode_logits(params, config, tok_B, cache)
-    return (sampling.argmax(logits_BV), cache), None
-
-  (tok_B, cache), _ = jax.lax.scan(body, (token_B, cache), None, length=steps)
+def decode_loop(params, config, token_B, cache, steps: int,
+                plan: decode.Plan = decode.Plan()):
+  """`steps` greedy steps of the decode loop `generate` runs
+  (`kvjax.decode.run`, laid out by `plan`). Returns (last token [B],
+  new_cache)."""
+  tok_B, cache, _ = decode.run(params, config, token_B, cache, None, n=steps,
+                               choose=sampling.GREEDY,
+                               emit=lambda *_: None, plan=plan)
   return tok_B, cache
+
+
+def timing_plan(params, config: ModelConfig, policy, batch: int,
+                position: int, steps: int, total: int,
+                capacity: int) -> decode.Plan:
+  """The plan of a timed loop of `steps` steps from `position`, in a run of
+  `total` steps: `generate`'s plan (`decode.plan`) for that run, as one
+  segment attending what the run's last step needs, so that every timed
+  loop compiles once and runs the layout generate would."""
+  full = decode.plan(params, config, policy, batch, position, total,
+                     capacity)
+  attend = full.schedule[-1][1] if full.schedule else 0
+  return decode.Plan(schedule=((steps, attend),), blocked=full.blocked)
 
 
 def error_check_cost(params, config: ModelConfig, batch: int, position: int,
@@ -604,16 +632,12 @@ def error_check_cost(params, config: ModelConfig, batch: int, position: int,
     checked_step_s, unchecked_step_s (medians per step), ratio (checked /
     unchecked, median of per-round ratios), and the rounds.
   """
-  from kvjax import model, sampling  # pylint: disable=g-import-not-at-top
   capacity = position + steps + 1
 
   def make():
     def loop(params, tok_B, cache):
-      def body(carry, _):
-        tok_B, cache = carry
-        logits_BV, cache = model.decode_logits(params, config, tok_B, cache)
-        return (sampling.GREEDY(logits_BV, None), cache), None
-      return jax.lax.scan(body, (tok_B, cache), None, length=steps)[0]
+      return decode.run(params, config, tok_B, cache, None, n=steps,
+                        choose=sampling.GREEDY, emit=lambda *_: None)[:2]
     return jax.jit(loop)  # a fresh function: its own trace and jit cache
 
   checked = make()
@@ -639,8 +663,9 @@ def decode_step_seconds(params, config: ModelConfig, batch: int,
                         capacity: int | None = None) -> dict[str, Any]:
   """Per-step decode latency with `position` tokens already cached.
 
-  Times `decode_loop` over `steps` steps (the scan `generate` runs, so no
-  per-call dispatch) and divides by `steps`. The cache is sized to what the
+  Times `decode_loop` over `steps` steps (the loop `generate` runs, with
+  the layout it would choose: `timing_plan`; no per-call dispatch) and
+  divides by `steps`. The cache is sized to what the
   run needs unless `capacity` is given (attention reads every slot).
 
   Returns:
@@ -659,9 +684,11 @@ def decode_step_seconds(params, config: ModelConfig, batch: int,
   state = [filled_cache(config, batch, capacity, position, policy)]
   tok = jnp.zeros((batch,), jnp.int32)
   params = packed.for_decode(params, config)  # the layout generate runs
+  plan = timing_plan(params, config, policy, batch, position, steps,
+                     need - position, capacity)
 
   def run():
-    out, state[0] = decode_loop(params, config, tok, state[0], steps)
+    out, state[0] = decode_loop(params, config, tok, state[0], steps, plan)
     return out
 
   t = time_fn(run, warmup=warmup, repeats=repeats)
@@ -782,3 +809,155 @@ def no_cache_generate_seconds(params, config: ModelConfig, tokens,
                                                     new_tokens))
   return dict(total_s=time.perf_counter() - t0, compile_s=compile_s,
               segments=segments)
+
+
+# ---- plots of experiments/benchmark.py's modes --------------------------------
+def step_ms_spread(timed: Mapping[str, Any]) -> tuple[float, float, float, int]:
+  """(median, min, max) milliseconds per step and the repeat count of a
+  `decode_step_seconds` (loop timings, scaled per step) or
+  `no_cache_step_seconds` result."""
+  loop = timed["loop"] if "loop" in timed else timed["timing"]
+  per = timed["step_s"] / loop["median_s"]  # seconds per step / per loop
+  return (1e3 * timed["step_s"], 1e3 * loop["min_s"] * per,
+          1e3 * loop["max_s"] * per, int(loop["repeats"]))
+
+
+def _errorbar(ax, xs, timed, **kw):
+  """One line of medians, error bars from each point's min to max."""
+  m = np.array([step_ms_spread(t)[:3] for t in timed])
+  ax.errorbar(xs, m[:, 0], yerr=[m[:, 0] - m[:, 1], m[:, 2] - m[:, 0]],
+              capsize=2, **kw)
+  return max(step_ms_spread(t)[3] for t in timed)
+
+
+def _pyplot():
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  return plt
+
+
+def _tick_at(ax, xs) -> None:
+  """Log x axis ticked at the measured points, labelled as plain numbers."""
+  from matplotlib.ticker import NullFormatter  # pylint: disable=g-import-not-at-top
+  xs = sorted(set(xs))
+  ax.set_xticks(xs)
+  ax.set_xticklabels([str(x) for x in xs])
+  ax.xaxis.set_minor_formatter(NullFormatter())
+
+
+def figure_labels(fig) -> dict[str, Any]:
+  """The words a figure shows: its title, each panel's title and axis
+  labels, and each legend's title and entries (what a test reads a plot
+  by)."""
+  axes = fig.get_axes()
+  legends = list(fig.legends) + [ax.get_legend() for ax in axes
+                                  if ax.get_legend() is not None]
+  suptitle = fig.get_suptitle() if hasattr(fig, "get_suptitle") else ""
+  return dict(
+      suptitle=suptitle, titles=[ax.get_title() for ax in axes],
+      xlabels=[ax.get_xlabel() for ax in axes],
+      ylabels=[ax.get_ylabel() for ax in axes],
+      legends={lg.get_title().get_text(): [t.get_text()
+                                           for t in lg.get_texts()]
+               for lg in legends})
+
+
+def _save_figure(fig, path) -> dict[str, Any]:
+  labels = figure_labels(fig)
+  fig.savefig(path, dpi=120, bbox_inches="tight")
+  _pyplot().close(fig)
+  return labels
+
+
+def plot_positions(result: Mapping[str, Any], path) -> dict[str, Any]:
+  """Decode step time against position, with and without the cache
+  (`positions.json`'s dict): medians, bars from min to max of the repeats."""
+  plt = _pyplot()
+  fig, ax = plt.subplots(figsize=(6.4, 4.4))
+  rows = result["rows"]
+  xs = [r["position"] for r in rows]
+  n = _errorbar(ax, xs, [r["cached"] for r in rows], marker="o",
+                label="with KV cache")
+  if all("no_cache" in r for r in rows):
+    n_nc = _errorbar(ax, xs, [r["no_cache"] for r in rows], marker="s",
+                     label="no cache (recompute the history)")
+    n = f"{n} (cached) / {n_nc} (no cache)"
+  ax.set(xscale="log", yscale="log", xlabel="position (tokens already cached)",
+         ylabel="milliseconds per decode step",
+         title=f"{result['preset']}, batch {result['batch']}: medians of {n} "
+         "timed repeats,\nbars: min-max of the repeats")
+  _tick_at(ax, xs)
+  ax.grid(alpha=0.3, which="both")
+  ax.legend()
+  return _save_figure(fig, path)
+
+
+def plot_variants(result: Mapping[str, Any], path) -> dict[str, Any]:
+  """Decode step time against position per attention variant
+  (`variants.json`'s dict): medians, bars from min to max of the repeats."""
+  plt = _pyplot()
+  fig, ax = plt.subplots(figsize=(7.5, 4.4))
+  n = 0
+  for label, row in result["variants"].items():
+    n = max(n, _errorbar(ax, result["positions"], row["steps"], marker="o",
+                         label=f"{label} ({row['kv_bytes_per_token']:,} B/token)"))
+  ax.set(xscale="log", xlabel="position (tokens already cached)",
+         ylabel="milliseconds per decode step",
+         title=f"{result['size']} presets, batch {result['batch']}: medians of "
+         f"{n} timed repeats, bars: min-max")
+  _tick_at(ax, result["positions"])
+  ax.grid(alpha=0.3, which="both")
+  ax.legend(title="variant (KV bytes per token)", fontsize=8,
+            loc="upper left", bbox_to_anchor=(1.01, 1))
+  return _save_figure(fig, path)
+
+
+def plot_sweep(result: Mapping[str, Any], path) -> dict[str, Any]:
+  """Decode step time against context, one panel per batch (`sweep.json`'s
+  dict): colour = attention variant, line style and marker = cache kind;
+  medians, bars from min to max of the repeats; two legends beside the
+  panels instead of one entry per (variant, kind)."""
+  from matplotlib.lines import Line2D  # pylint: disable=g-import-not-at-top
+  plt = _pyplot()
+  rows = result["rows"]
+  variants = list(dict.fromkeys(r["variant"] for r in rows))
+  kinds = list(dict.fromkeys(r["kv_dtype"] for r in rows))
+  batches = result["batches"]
+  styles = ("-", "--", ":", "-.", (0, (5, 1)), (0, (3, 1, 1, 1)))
+  markers = ("o", "s", "^", "D", "v", "P")
+  fig, axes = plt.subplots(1, len(batches), figsize=(5.2 * len(batches), 4.4),
+                           squeeze=False, sharey=True)
+  n = 0
+  for ax, B in zip(axes[0], batches):
+    for vi, variant in enumerate(variants):
+      for ki, kind in enumerate(kinds):
+        mine = [r for r in rows if r["variant"] == variant and
+                r["kv_dtype"] == kind and r["batch"] == B]
+        if not mine:
+          continue
+        timed = [dict(step_s=r["step_s"], loop=r["loop"]) if "loop" in r
+                 else dict(step_s=r["step_s"], loop=dict(
+                     median_s=r["step_s"], min_s=r["step_s"],
+                     max_s=r["step_s"], repeats=1)) for r in mine]
+        n = max(n, _errorbar(ax, [r["context"] for r in mine], timed,
+                             color=f"C{vi}", ls=styles[ki % len(styles)],
+                             marker=markers[ki % len(markers)], ms=3, lw=1.2))
+    ax.set(xscale="log", yscale="log", xlabel="context (tokens cached)",
+           title=f"batch {B}")
+    _tick_at(ax, result["contexts"])
+    ax.grid(alpha=0.3, which="both")
+  axes[0][0].set_ylabel("milliseconds per decode step")
+  by_variant = [Line2D([], [], color=f"C{i}", lw=2, label=v)
+                for i, v in enumerate(variants)]
+  by_kind = [Line2D([], [], color="black", ls=styles[i % len(styles)],
+                    marker=markers[i % len(markers)], ms=4, label=k)
+             for i, k in enumerate(kinds)]
+  fig.suptitle(f"{result['size']} presets: decode step time against context; "
+               f"medians of {n} timed repeats, bars: min-max", fontsize=10)
+  fig.tight_layout()
+  fig.legend(handles=by_variant, title="variant (colour)", fontsize=8,
+             loc="upper left", bbox_to_anchor=(1.0, 0.92))
+  fig.legend(handles=by_kind, title="cache (line)", fontsize=8,
+             loc="lower left", bbox_to_anchor=(1.0, 0.12))
+  return _save_figure(fig, path)

@@ -6,7 +6,7 @@ blocks of slots (GQA / MHA / MQA; `generate`'s batched decode).
              v  L × [B, K, P, H]      values, as in the stacked cache
 
 P is the attended prefix of one `generate` decode segment
-(`inference.attention_schedule`): the segment converts the first P slots of
+(`decode.attention_schedule`): the segment converts the first P slots of
 the stacked `KVCache` into this form once (`from_cache`), runs its decode
 scan over it and writes the slots back (`into_cache`). Same values, same
 attention, same tokens; only the layout the decode step reads changes.
@@ -20,7 +20,7 @@ YNNPACK streams ~2.4× faster from memory. Together with RoPE tables carried
 in the decode loop (`model.decode_rope`): 7–9 % faster batch-8 decode steps
 for gqa-medium. At batch 1 XLA turns each one-token scatter into a copy of
 the layer's array (−9 %) and at batch 2 nothing is gained, so 'auto'
-blocks from `inference.BLOCKED_MIN_BATCH` sequences on.
+blocks from `decode.BLOCKED_MIN_BATCH` sequences on.
 
 Every function returns a new cache; none mutates.
 """

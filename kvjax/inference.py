@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import blocked
 from kvjax import cache as cache_lib
+from kvjax import decode
 from kvjax import errors
 from kvjax import model
 from kvjax import packed
@@ -355,49 +355,10 @@ def default_capacity(prompt_len: int, max_new_tokens: int) -> int:
   return max(16, 1 << math.ceil(math.log2(prompt_len + max_new_tokens)))
 
 
-def bucket_length(n: int, minimum: int = 16) -> int:
-  """Prompt lengths are left-padded to powers of two: new lengths reuse the
-  compiled program."""
-  return max(minimum, 1 << math.ceil(math.log2(max(n, 1))))
-
-
-ATTEND_MIN = 128  # smallest attention prefix generate's decode loop uses
-
-
-def attention_schedule(prompt_len: int, decode_steps: int, capacity: int,
-                       multiple: int = 1, minimum: int = ATTEND_MIN
-                       ) -> tuple[tuple[int, int], ...]:
-  """Segments (n_steps, attend) of a decode loop over a cache whose filled
-  slots are a prefix (eviction 'none'): decode step j (0-based) of a prompt
-  of at most `prompt_len` tokens fills slots [0, prompt_len + j], so it
-  attends over the smallest power of two (at least `minimum`) that covers
-  them, or, in the last segment, over the slots the whole generation fills
-  rounded up to `minimum`; attends are rounded up to `multiple`, and 0
-  stands for the whole capacity.
-
-  Why: attention and the cache read cost the attended slots, not the filled
-  ones; a cache sized for the longest generation would otherwise be read
-  whole from the first step. A power-of-two schedule wastes at most 2x and
-  compiles one loop body per segment (log2 of capacity / prompt). The last
-  segment stops at what the generation needs, not at the next power of two
-  (prompt 128 + 255 steps in a 512-slot cache: 128 steps over 256 slots,
-  then 127 over 384, not 512): fewer slots read, no extra loop body.
-  """
-  def round_up(n, m):
-    return -(-n // m) * m
-
-  last = round_up(round_up(prompt_len + decode_steps, minimum), multiple)
-  out, j = [], 0
-  while j < decode_steps:
-    need = prompt_len + j + 1
-    P = min(round_up(bucket_length(need, minimum), multiple), last)
-    if P >= capacity:
-      out.append((decode_steps - j, 0))
-      break
-    n = min(decode_steps - j, P - prompt_len - j)
-    out.append((n, P))
-    j += n
-  return tuple(out)
+# The decode loop's knobs, where generate's users look for them.
+attention_schedule = decode.attention_schedule
+bucket_length = decode.bucket_length
+BLOCKED_MIN_BATCH = decode.BLOCKED_MIN_BATCH
 
 
 def _generation_inputs(params, config, tokens, max_new_tokens, attention_mask,
@@ -430,144 +391,39 @@ def _generation_inputs(params, config, tokens, max_new_tokens, attention_mask,
 @functools.partial(
     jax.jit,
     static_argnames=("config", "steps", "sampler", "return_logits",
-                     "stop_tokens", "pad_id", "shardings", "schedule",
-                     "blocked_decode"),
+                     "stop_tokens", "pad_id", "shardings", "plan"),
     donate_argnames=("cache",))
 def _generate(params, config, tokens, mask, cache, rng, steps, sampler,
               return_logits, stop_tokens, pad_id, shardings=None,
-              schedule=None, blocked_decode=False):
-  """Prefill, then `steps - 1` decode steps (scans, one per `schedule`
-  segment) or a while_loop with stop tokens; the last sampled token is never
-  fed back. blocked_decode: segments whose attended prefix
-  `kvjax.blocked` supports decode over a `BlockedKV` of it."""
+              plan=decode.Plan()):
+  """Prefill, then `steps - 1` steps of the decode loop (`kvjax.decode`);
+  the last sampled token is never fed back."""
   pin = functools.partial(_pin, shardings)
   logits_B1V, cache = pin(*model.prefill_logits(params, config, tokens, mask,
                                                 cache, False))
   logits_BV = logits_B1V[:, 0]
   keys = jax.random.split(rng, steps)
-  B, V = logits_BV.shape
-
-  if not stop_tokens:
-    tok0 = sampler(logits_BV, keys[0])
-
-    def body(carry, key, attend):
-      # RoPE's cos/sin ride in the carry: computed once per step, not per
-      # consumer (`model.decode_rope`).
-      tok_B, cache, rope = carry
-      next_BV, cache = pin(*model.decode_logits(params, config, tok_B, cache,
-                                                attend, rope))
-      nxt_B = sampler(next_BV, key)
-      return ((nxt_B, cache, model.decode_rope(config, cache)),
-              (nxt_B, next_BV if return_logits else None))
-
-    tok_B, toks, logits, start = tok0, [], [], 1
-    for n, attend in schedule or ((steps - 1, 0),):
-      prefix = attend or cache.capacity
-      use_blocked = (blocked_decode and
-                     blocked.supports(cache, prefix) is None)
-      seg = blocked.from_cache(cache, prefix) if use_blocked else cache
-      (tok_B, seg, _), (t_SB, l_SBV) = jax.lax.scan(
-          functools.partial(body, attend=0 if use_blocked else attend),
-          (tok_B, seg, model.decode_rope(config, seg)),
-          keys[start:start + n])
-      cache = blocked.into_cache(cache, seg) if use_blocked else seg
-      toks.append(t_SB)
-      logits.append(l_SBV)
-      start += n
-    # The loop's result carries whatever sharding propagation chose for it;
-    # pin it to the plan like every step's (no-op without shardings).
-    cache = pin(None, cache)[1]
-    toks_SB = jnp.concatenate(toks, axis=0)
-    logits_SBV = jnp.concatenate(logits, axis=0) if return_logits else None
-    toks_BS = jnp.concatenate([tok0[:, None], toks_SB.T], axis=1)
-    if not return_logits:
-      return toks_BS, None, cache
-    logits_BSV = jnp.concatenate(
-        [logits_BV[:, None], jnp.swapaxes(logits_SBV, 0, 1)], axis=1)
-    return toks_BS, logits_BSV, cache
-
-  stops = jnp.asarray(stop_tokens, jnp.int32)
-  out_BS = jnp.full((B, steps), pad_id, jnp.int32)
-  out_logits = jnp.zeros((B, steps, V) if return_logits else (0,),
-                         jnp.float32)
-
-  def cond(state):
-    i, _, _, done_B, _, _ = state
-    return (i < steps) & ~jnp.all(done_B)
-
-  def body(state):
-    i, logits_BV, cache, done_B, out_BS, out_logits = state
-    tok_B = jnp.where(done_B, pad_id, sampler(logits_BV, keys[i]))
-    out_BS = out_BS.at[:, i].set(tok_B)
-    if return_logits:
-      out_logits = out_logits.at[:, i].set(logits_BV)
-    done_B = done_B | jnp.isin(tok_B, stops)
-    # The step function is shared with the scan path; the last step's
-    # decode is skipped so the cache never needs room for it.
-    logits_BV, cache = jax.lax.cond(
-        (i + 1 < steps) & ~jnp.all(done_B),
-        lambda c: pin(*model.decode_logits(params, config, tok_B, c)),
-        lambda c: (logits_BV, c), cache)
-    return i + 1, logits_BV, cache, done_B, out_BS, out_logits
-
-  state = (jnp.int32(0), logits_BV, cache, jnp.zeros((B,), bool), out_BS,
-           out_logits)
-  _, _, cache, _, out_BS, out_logits = jax.lax.while_loop(cond, body, state)
+  tok0_B = sampler(logits_BV, keys[0])
+  emit = lambda logits_BV, nxt_B, key, cache: (
+      nxt_B, logits_BV if return_logits else None)
+  _, cache, (toks_SB, logits_SBV) = decode.run(
+      params, config, tok0_B, cache, keys[1:], choose=sampler, emit=emit,
+      plan=plan, stop_tokens=stop_tokens, pad_id=pad_id, pin=pin)
+  # The loop's result carries whatever sharding propagation chose for it;
+  # pin it to the plan like every step's (no-op without shardings).
   cache = pin(None, cache)[1]
-  return out_BS, (out_logits if return_logits else None), cache
-
-
-DECODE_LAYOUTS = ("auto", "stacked", "blocked")
-# 'auto' blocks from this batch on: whole-generate speedups 1.001 at batch 2,
-# 1.010 at 4, 1.053 at 8, 1.104 at 16 (gqa-medium; WORKSPACE.md). Below it
-# the segment copies would only add compile time.
-BLOCKED_MIN_BATCH = 4
-
-
-def _use_blocked(decode_layout: str, params, config: ModelConfig,
-                 policy: cache_lib.CachePolicy, batch: int, schedule) -> bool:
-  """Whether generate's decode segments run over `kvjax.blocked.BlockedKV`
-  ('auto': where supported, batch >= BLOCKED_MIN_BATCH, on CPU; see
-  `generate`).
-
-  Raises:
-    ValueError: an unknown layout, or 'blocked' where it cannot run.
-  """
-  if decode_layout not in DECODE_LAYOUTS:
-    raise ValueError(f"decode_layout={decode_layout!r} is not one of "
-                     f"{DECODE_LAYOUTS}")
-  if decode_layout == "stacked":
-    return False
-  why = None
-  if schedule is None:
-    why = ("it runs the attention segments, which need attend_buckets, "
-           "eviction='none', positions='original', no stop tokens and no "
-           "shardings")
-  elif config.attention != "gqa":
-    why = f"attention={config.attention!r} has no per-head keys"
-  elif policy.quantized:
-    why = f"kv_dtype={policy.kv_dtype!r} (int8 scales are not blocked)"
-  elif not all(isinstance(params[n], (list, tuple))
-               for n in ("layers", "moe_layers") if n in params):
-    why = ("stacked layer params (layout 'scan') reach the cache by a traced "
-           "layer index; per-layer arrays need unrolled layers (layouts "
-           "'unrolled', 'packed')")
-  if decode_layout == "blocked":
-    if why:
-      raise ValueError(f"decode_layout='blocked': {why}")
-    return True
-  # Measured on CPU only (WORKSPACE.md); elsewhere 'auto' keeps the stacked
-  # cache until a device run says otherwise.
-  return (why is None and batch >= BLOCKED_MIN_BATCH and
-          _platform(params) == "cpu")
-
-
-def _platform(params) -> str:
-  """The platform the params live on (numpy leaves: the default backend)."""
-  leaf = jax.tree_util.tree_leaves(params)[0]
-  if isinstance(leaf, jax.Array):
-    return next(iter(leaf.devices())).platform
-  return jax.default_backend()
+  toks_BS = jnp.concatenate([tok0_B[:, None], toks_SB.T], axis=1)
+  if stop_tokens:
+    # After its first stop token a sequence emits pad_id (the loop stops
+    # once every sequence is done; the steps it skipped are filled here).
+    stop_BS = jnp.isin(toks_BS, jnp.asarray(stop_tokens, jnp.int32))
+    after_BS = (jnp.cumsum(stop_BS, axis=1) - stop_BS) > 0
+    toks_BS = jnp.where(after_BS, pad_id, toks_BS)
+  if not return_logits:
+    return toks_BS, None, cache
+  logits_BSV = jnp.concatenate(
+      [logits_BV[:, None], jnp.swapaxes(logits_SBV, 0, 1)], axis=1)
+  return toks_BS, logits_BSV, cache
 
 
 def memory_limit() -> int:
@@ -613,15 +469,10 @@ def _generate_args(params, config, tokens, max_new_tokens, attention_mask,
         default_capacity(tokens.shape[1], max_new_tokens))
   _check_memory(config, policy, B, capacity,
                 devices=1 if shardings is None else jax.device_count())
-  schedule = None
-  if (attend_buckets and policy.eviction == "none" and
-      policy.positions == "original" and not stop_tokens and
-      shardings is None):
-    schedule = attention_schedule(
-        T, int(max_new_tokens) - 1, capacity,
-        policy.key_group if policy.channel_keys else 1)
-  use_blocked = _use_blocked(decode_layout, params, config, policy, B,
-                             schedule)
+  plan = decode.plan(params, config, policy, B, T, int(max_new_tokens) - 1,
+                     capacity, attend_buckets=attend_buckets,
+                     stops=bool(stop_tokens), sharded=shardings is not None,
+                     decode_layout=decode_layout)
   if shardings is not None:
     shardings.check_config(config)
     cache = shardings.init_cache(B, capacity, policy=policy)
@@ -641,7 +492,7 @@ def _generate_args(params, config, tokens, max_new_tokens, attention_mask,
     rng = shardings.put(rng, ())
   return (params, config, tokens, mask, cache, rng, int(max_new_tokens),
           sampler, return_logits, tuple(int(t) for t in stop_tokens), pad_id,
-          shardings, schedule, use_blocked)
+          shardings, plan)
 
 
 def generate(params, config: ModelConfig, tokens, max_new_tokens: int, *,

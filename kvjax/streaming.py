@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import cache as cache_lib
+from kvjax import decode
 from kvjax import policies
 from kvjax import errors
 from kvjax import inference
@@ -66,19 +67,24 @@ def _as_BN(tokens) -> np.ndarray:
 @functools.partial(jax.jit, static_argnames=("config", "want_logits"),
                    donate_argnames=("cache",))
 def _decode_scan(params, config, tokens_BT, targets_BT, cache, want_logits):
-  """T decode steps in one `lax.scan`. Returns (nll_BT, logits_BTV|None,
-  cache)."""
+  """T teacher-forced steps of the decode loop (`kvjax.decode.run`).
+  Returns (nll_BT, logits_BTV|None, cache)."""
+  T = tokens_BT.shape[1]
+  # Step t feeds tokens[t]; the loop's "next token" is the given tokens[t+1]
+  # (the last one is never fed).
+  next_TB = jnp.concatenate([tokens_BT.T[1:], tokens_BT.T[-1:]], axis=0)
 
-  def body(cache, xs):
-    tok_B, tgt_B = xs
-    logits_BV, cache = model.decode_logits(params, config, tok_B, cache)
+  def emit(logits_BV, nxt_B, x, cache):
+    del nxt_B, cache
+    tgt_B, _ = x
     # NaN unless every logit is finite: a finite NLL certifies the step.
     ok_B = jnp.all(jnp.isfinite(logits_BV), axis=-1)
     nll_B = jnp.where(ok_B, token_nll(logits_BV, tgt_B), jnp.nan)
-    return cache, (nll_B, logits_BV if want_logits else None)
+    return nll_B, logits_BV if want_logits else None
 
-  cache, (nll_TB, logits_TBV) = jax.lax.scan(
-      body, cache, (tokens_BT.T, targets_BT.T))
+  _, cache, (nll_TB, logits_TBV) = decode.run(
+      params, config, tokens_BT[:, 0], cache, (targets_BT.T, next_TB),
+      choose=lambda logits_BV, x: x[1], emit=emit, n=T)
   logits_BTV = None if logits_TBV is None else jnp.swapaxes(logits_TBV, 0, 1)
   return nll_TB.T, logits_BTV, cache
 
@@ -628,14 +634,14 @@ def memory_trace(params, config: ModelConfig, tokens, cache, *,
 def _received_scan(params, config, tokens_BT, cache):
   """Per step, the attention each slot received from the new token (summed
   over layers and heads): the growth of the h2o scores. [T, B, S]."""
-
-  def body(cache, tok_B):
-    before_BS = cache.scores
-    _, cache = model.decode_logits(params, config, tok_B, cache)
-    return cache, cache.scores - before_BS
-
-  _, received_TBS = jax.lax.scan(body, cache, tokens_BT.T)
-  return received_TBS
+  T = tokens_BT.shape[1]
+  next_TB = jnp.concatenate([tokens_BT.T[1:], tokens_BT.T[-1:]], axis=0)
+  before_BS = cache.scores
+  _, _, scores_TBS = decode.run(
+      params, config, tokens_BT[:, 0], cache, next_TB,
+      choose=lambda logits_BV, nxt_B: nxt_B,
+      emit=lambda logits_BV, nxt_B, x, cache: cache.scores, n=T)
+  return jnp.diff(scores_TBS, axis=0, prepend=before_BS[None])
 
 
 def attention_matrix(params, config: ModelConfig, tokens):

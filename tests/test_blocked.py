@@ -28,6 +28,7 @@ from kvjax import model
 from kvjax import packed
 from kvjax import quant
 from kvjax.tolerance import assert_close
+import cases
 from tiny_models import tiny, tiny_params
 
 GQA_KINDS = ("mha", "mqa", "gqa")
@@ -49,7 +50,8 @@ def _random_cache(config, batch, capacity, length, dtype="float32", seed=0):
 
 class LayoutTest(parameterized.TestCase):
 
-  @parameterized.product(kind=GQA_KINDS, attend=(64, 128, 192))
+  @cases.product(kind=GQA_KINDS, attend=(64, 128, 192),
+                 slow=lambda kind, attend: (kind, attend) != ("gqa", 192))
   def test_round_trip_is_exact(self, kind, attend):
     config = tiny(kind)
     cache = _random_cache(config, 3, 256, 100)
@@ -84,7 +86,8 @@ class LayoutTest(parameterized.TestCase):
                                   cache.k[:, :, :, 128:])
     np.testing.assert_array_equal(back.length, cache.length + 5)
 
-  @parameterized.product(dtype=("float32", "bfloat16", "float16"))
+  @cases.product(dtype=("float32", "bfloat16", "float16"),
+                 slow=lambda dtype: dtype != "bfloat16")
   def test_write_lands_where_the_stacked_write_does(self, dtype):
     config = tiny("gqa")
     cache = _random_cache(config, 3, 256, 100, dtype)
@@ -113,7 +116,8 @@ class LayoutTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "T = 1"):
       blocked.write(seg, 0, jnp.zeros((2, 2), jnp.int32), kv, kv)
 
-  @parameterized.product(kind=GQA_KINDS, dtype=("float32", "bfloat16"))
+  @cases.product(kind=GQA_KINDS, dtype=("float32", "bfloat16"),
+                 slow=lambda kind, dtype: (kind, dtype) != ("gqa", "float32"))
   def test_attend_equals_stacked_attend(self, kind, dtype):
     config = tiny(kind)
     B, P = 3, 192
@@ -129,9 +133,10 @@ class LayoutTest(parameterized.TestCase):
       k_BKSH, v_BKSH = attention.read_kv(cache, 1, jnp.float32, P)
       k_BKWHX, v_blocked = blocked.read(blocked.from_cache(cache, P), 1,
                                         jnp.float32)
-      return (attention.attend(q_BTKGH, k_BKSH, v_BKSH, mask_BTS, 0.3),
+      mask_BKTS = mask_BTS[:, None]  # one mask for every kv head
+      return (attention.attend(q_BTKGH, k_BKSH, v_BKSH, mask_BKTS, 0.3),
               attention.decode_softmax_values(
-                  blocked.key_logits(q_BTKGH, k_BKWHX), v_blocked, mask_BTS,
+                  blocked.key_logits(q_BTKGH, k_BKWHX), v_blocked, mask_BKTS,
                   0.3, jnp.float32))
     (want, want_p), (got, got_p) = both(cache, q_BTKGH, mask_BTS)
     chex.assert_tree_all_finite((got, got_p))
@@ -178,8 +183,11 @@ class GenerateTest(parameterized.TestCase):
     np.testing.assert_array_equal(a[2].positions, b[2].positions)
     np.testing.assert_array_equal(a[2].length, b[2].length)
 
-  @parameterized.parameters(("mha", "packed"), ("mqa", "packed"),
-                            ("gqa", "packed"), ("gqa", "unrolled"))
+  @cases.named((dict(kind="mha", layout="packed"),
+                dict(kind="mqa", layout="packed"),
+                dict(kind="gqa", layout="packed"),
+                dict(kind="gqa", layout="unrolled")),
+               slow=lambda kind, layout: (kind, layout) != ("gqa", "packed"))
   def test_same_tokens_logits_and_cache(self, kind, layout):
     config = tiny(kind)
     params = packed.layout(tiny_params(kind), config, layout)
@@ -191,7 +199,8 @@ class GenerateTest(parameterized.TestCase):
                      ((96, 128), (13, 0)))
     self._check_same(*self._both(config, params, tokens, 110), config)
 
-  @parameterized.parameters("bfloat16", "float16")
+  @cases.product(dtype=("bfloat16", "float16"),
+                 slow=lambda dtype: dtype != "bfloat16")
   def test_same_with_a_half_precision_cache(self, dtype):
     config = tiny("gqa")
     params = packed.pack(tiny_params("gqa"), config)
@@ -230,7 +239,7 @@ class GenerateTest(parameterized.TestCase):
       return inference._generate_args(  # pylint: disable=protected-access
           params, config, tokens, 20, None, kvjax.GREEDY, None, None,
           kw.get("policy"), kw.get("stop_tokens", ()), 0, False, True, None,
-          True, "auto")[-1]
+          True, "auto")[-1].blocked
     big = inference.BLOCKED_MIN_BATCH
     self.assertTrue(chosen("gqa", big))
     self.assertTrue(chosen("mha", big + 1, "unrolled"))
@@ -245,7 +254,7 @@ class GenerateTest(parameterized.TestCase):
   @parameterized.named_parameters(
       ("unknown", dict(decode_layout="tiled"), "decode_layout='tiled'"),
       ("mla", dict(kind="mla"), "attention='mla'"),
-      ("scan", dict(layout="scan"), "unrolled layer"),
+      ("scan", dict(layout="scan"), "per-layer arrays"),
       ("int8", dict(policy=cache_lib.CachePolicy(kv_dtype="int8")),
        "kv_dtype='int8'"),
       ("stop_tokens", dict(stop_tokens=(1,)), "attention segments"),
@@ -280,7 +289,7 @@ class DecodeRopeTest(parameterized.TestCase):
     cache = cache_lib.init_cache(config, 2, 16, policy=policy)
     self.assertIsNone(model.decode_rope(config, cache))
 
-  @parameterized.parameters("gqa", "mla")
+  @cases.product(kind=("gqa", "mla"))
   def test_carried_rope_gives_the_same_step(self, kind):
     config = tiny(kind)
     params = tiny_params(kind)

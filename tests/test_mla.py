@@ -28,6 +28,7 @@ from kvjax import model
 from kvjax import published
 from kvjax.tolerance import assert_close
 from configs import model as model_presets
+import cases  # pylint: disable=g-bad-import-order
 
 BASE = dict(vocab_size=64, num_layers=2, embed_dim=48, num_heads=3,
             mlp_dim=64, attention="mla", kv_lora_rank=24, qk_nope_head_dim=12,
@@ -168,7 +169,7 @@ class MLALayerTest(chex.TestCase):
     c_kv, r = normal(3, (B, S, C)), normal(4, (B, S, R))
     mask = np.random.default_rng(5).random((B, T, S)) < 0.5
     mask[:, :, 0] = True
-    mask = jnp.asarray(mask)
+    mask = jnp.asarray(mask)[:, None]  # [B, 1, T, S]: shared by the heads
 
     def run(path):
       return self.variant(functools.partial(
@@ -275,7 +276,7 @@ class LatentCacheTest(parameterized.TestCase):
         cache.positions, np.where(np.arange(S) < T_PROMPT, np.arange(S), -1)[
             None].repeat(B, 0))
 
-  @parameterized.parameters("float32", "bfloat16", "float16", "int8")
+  @cases.product(dtype=("float32", "bfloat16", "float16", "int8"))
   def test_bytes_per_token_is_layers_times_latent(self, dtype):
     for c in (config(), config(q_lora=Q_LORA)):  # q_lora never reaches it
       cache = jax.eval_shape(lambda c=c: kvjax.init_cache(c, B, S,

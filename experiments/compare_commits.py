@@ -1,0 +1,123 @@
+r"""Does a change slow generation down? Two commits, side by side, one run.
+
+  python experiments/compare_commits.py --base=604ab8d \
+      --presets=gqa-medium,gqa-small --batches=1,8 --workdir=workdir/ab
+
+Checks the base commit out into a temporary git worktree and times
+`kvjax.generate` (random params of each preset, as `init_params` returns
+them: the default path; prompt `--prompt_len`, `--new_tokens` new tokens,
+greedy) in a fresh subprocess per commit and round, alternating base, head,
+base, head, ... so both see the same load drift. Each subprocess warms up
+(compiles) and then times `--repeats` calls; a round's figure is their
+median. Prints one line per (preset, batch) with the median head/base time
+ratio over rounds (< 1: head is faster) and the per-round ratios, and
+writes compare_commits.json (with the CPU model) to --workdir.
+"""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+from absl import flags
+
+from kvjax import benchmarking as bm
+from kvjax import cli
+from configs import model as presets
+
+_BASE = flags.DEFINE_string("base", None, "Git revision to compare against.",
+                            required=True)
+_PRESETS = cli.DEFINE_choice_list("presets", ["gqa-medium", "gqa-small"],
+                                  presets.PRESETS, "configs/model.py presets.")
+_BATCHES = cli.DEFINE_int_list("batches", [1, 8], "Batch sizes.",
+                               lower_bound=1)
+_PROMPT = flags.DEFINE_integer("prompt_len", 128, "Prompt tokens.",
+                               lower_bound=1)
+_NEW = flags.DEFINE_integer("new_tokens", 256, "Generated tokens.",
+                            lower_bound=1)
+_ROUNDS = flags.DEFINE_integer("rounds", 3, "Alternating subprocess rounds.",
+                               lower_bound=1)
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed calls per subprocess.",
+                                lower_bound=1)
+_WORKDIR = flags.DEFINE_string("workdir", "workdir/compare_commits",
+                               "Output directory.")
+
+# Run inside each checkout; uses only API both sides share.
+_PROBE = r"""
+import json, statistics, sys, time
+import jax, numpy as np
+import kvjax
+from kvjax import configs as cfg_lib
+from configs import model as presets
+preset, batch, prompt, new, repeats = sys.argv[1:6]
+config = cfg_lib.model_config(presets.get_config(preset).model)
+params = kvjax.init_params(config, jax.random.key(0))
+tokens = np.asarray(jax.random.randint(jax.random.key(1),
+                    (int(batch), int(prompt)), 0, config.vocab_size))
+run = lambda: kvjax.generate(params, config, tokens, int(new))
+jax.block_until_ready(run())
+ts = []
+for _ in range(int(repeats)):
+  t0 = time.perf_counter()
+  jax.block_until_ready(run())
+  ts.append(time.perf_counter() - t0)
+print(json.dumps(dict(median_s=statistics.median(ts), times=ts)))
+"""
+
+
+def _probe(tree: str, preset: str, batch: int) -> float:
+  env = dict(os.environ, PYTHONPATH=tree, JAX_PLATFORMS="cpu")
+  out = subprocess.run(
+      [sys.executable, "-c", _PROBE, preset, str(batch), str(_PROMPT.value),
+       str(_NEW.value), str(_REPEATS.value)],
+      cwd=tree, env=env, capture_output=True, text=True, check=False)
+  if out.returncode:
+    raise RuntimeError(f"probe failed in {tree}:\n{out.stderr[-2000:]}")
+  return json.loads(out.stdout.strip().splitlines()[-1])["median_s"]
+
+
+def main(argv):
+  del argv
+  head = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  os.makedirs(_WORKDIR.value, exist_ok=True)
+  rows = []
+  with tempfile.TemporaryDirectory() as tmp:
+    base = os.path.join(tmp, "base")
+    subprocess.run(["git", "-C", head, "worktree", "add", "--detach", base,
+                    _BASE.value], check=True, capture_output=True)
+    try:
+      for preset in _PRESETS.value:
+        for batch in _BATCHES.value:
+          t = {"base": [], "head": []}
+          for _ in range(_ROUNDS.value):
+            t["base"].append(_probe(base, preset, batch))
+            t["head"].append(_probe(head, preset, batch))
+          ratios = [h / b for h, b in zip(t["head"], t["base"])]
+          row = dict(preset=preset, batch=batch, base_s=t["base"],
+                     head_s=t["head"], ratio=statistics.median(ratios),
+                     ratios=ratios)
+          rows.append(row)
+          print(f"{preset} b{batch}: head/base time {row['ratio']:.3f} "
+                f"(rounds {', '.join(f'{r:.3f}' for r in ratios)}; base "
+                f"{statistics.median(t['base']):.2f} s, head "
+                f"{statistics.median(t['head']):.2f} s)", flush=True)
+    finally:
+      subprocess.run(["git", "-C", head, "worktree", "remove", "--force",
+                      base], check=False, capture_output=True)
+  rev = subprocess.run(["git", "-C", head, "rev-parse", "--short", "HEAD"],
+                       capture_output=True, text=True, check=False)
+  result = dict(base=_BASE.value, head=rev.stdout.strip(),
+                dirty=bool(subprocess.run(
+                    ["git", "-C", head, "status", "--porcelain",
+                     "--untracked-files=no"], capture_output=True,
+                    text=True, check=False).stdout.strip()),
+                prompt_len=_PROMPT.value, new_tokens=_NEW.value,
+                host=bm.machine_info(), rows=rows)
+  with open(os.path.join(_WORKDIR.value, "compare_commits.json"), "w") as f:
+    json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+  cli.run(main)

@@ -1,0 +1,251 @@
+"""The one decode loop. Everything that decodes more than one token runs it:
+`generate`, the decode benchmarks, the streaming evaluation.
+
+  plan(...)  how a loop lays out its work (static): the attention schedule
+             (segments that attend a prefix of the cache) and whether a
+             segment reads the blocked cache (`kvjax.blocked`).
+  run(...)   n decode steps from a token and a cache: `lax.scan` segments
+             per the plan, or one `lax.while_loop` that stops when every
+             sequence has emitted a stop token. Step i feeds the current
+             token, gets the logits, emits `emit(logits, next, x_i, cache)`
+             and continues with `next = choose(logits, x_i)`: a sampler
+             (generate, benchmarks) or the next given token (teacher
+             forcing: the streaming evaluation).
+
+The loop alone chooses the cache layout a step reads; the model sees a cache
+and never asks which. RoPE's cos/sin of the next position ride in the loop
+carry (`model.decode_rope`), computed once per step rather than in every
+consumer.
+
+Dimension alphabet: B batch, V vocab, n steps of one loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from kvjax import blocked
+from kvjax import cache as cache_lib
+from kvjax import model
+from kvjax.config import ModelConfig
+
+ATTEND_MIN = 128  # smallest attention prefix a decode segment uses
+DECODE_LAYOUTS = ("auto", "stacked", "blocked")
+# 'auto' blocks from this batch on: whole-generate speedups 1.001 at batch 2,
+# 1.010 at 4, 1.053 at 8, 1.104 at 16 (gqa-medium; WORKSPACE.md). Below it
+# the segment copies would only add compile time.
+BLOCKED_MIN_BATCH = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """How `run` lays out its steps (static, hashable).
+
+  schedule: segments ((n_steps, attend), ...): each a `lax.scan` attending
+    the first `attend` slots (0: the whole cache); None: one segment over
+    the whole cache.
+  blocked: a segment whose prefix `kvjax.blocked` supports reads a
+    `BlockedKV` copy of it.
+  """
+
+  schedule: tuple[tuple[int, int], ...] | None = None
+  blocked: bool = False
+
+
+def bucket_length(n: int, minimum: int = 16) -> int:
+  """The power of two >= n (at least `minimum`): prompt buckets and attended
+  prefixes, so that a new length rarely needs a new compiled program."""
+  return max(minimum, 1 << (max(n, 1) - 1).bit_length())
+
+
+def attention_schedule(prompt_len: int, decode_steps: int, capacity: int,
+                       multiple: int = 1, minimum: int = ATTEND_MIN
+                       ) -> tuple[tuple[int, int], ...]:
+  """Segments (n_steps, attend) of a decode loop over a cache whose filled
+  slots are a prefix (eviction 'none'): decode step j (0-based) of a prompt
+  of at most `prompt_len` tokens fills slots [0, prompt_len + j], so it
+  attends over the smallest power of two (at least `minimum`) that covers
+  them, or, in the last segment, over the slots the whole generation fills
+  rounded up to `minimum`; attends are rounded up to `multiple`, and 0
+  stands for the whole capacity.
+
+  Why: attention and the cache read cost the attended slots, not the filled
+  ones; a cache sized for the longest generation would otherwise be read
+  whole from the first step. A power-of-two schedule wastes at most 2x and
+  compiles one loop body per segment (log2 of capacity / prompt). The last
+  segment stops at what the generation needs, not at the next power of two
+  (prompt 128 + 255 steps in a 512-slot cache: 128 steps over 256 slots,
+  then 127 over 384, not 512): fewer slots read, no extra loop body.
+  """
+  def round_up(n, m):
+    return -(-n // m) * m
+
+  last = round_up(round_up(prompt_len + decode_steps, minimum), multiple)
+  out, j = [], 0
+  while j < decode_steps:
+    need = prompt_len + j + 1
+    P = min(round_up(bucket_length(need, minimum), multiple), last)
+    if P >= capacity:
+      out.append((decode_steps - j, 0))
+      break
+    n = min(decode_steps - j, P - prompt_len - j)
+    out.append((n, P))
+    j += n
+  return tuple(out)
+
+
+def platform(params) -> str:
+  """The platform the params live on (numpy leaves: the default backend)."""
+  leaf = jax.tree_util.tree_leaves(params)[0]
+  if isinstance(leaf, jax.Array):
+    return next(iter(leaf.devices())).platform
+  return jax.default_backend()
+
+
+def plan(params, config: ModelConfig, policy: cache_lib.CachePolicy,
+         batch: int, prompt_len: int, steps: int, capacity: int, *,
+         attend_buckets: bool = True, stops: bool = False,
+         sharded: bool = False, decode_layout: str = "auto") -> Plan:
+  """The plan `generate` uses for `steps` decode steps after a prompt of
+  `prompt_len` (bucketed) tokens in a `capacity`-slot cache; the decode
+  benchmarks call it with the same arguments, so they time the same loop.
+
+  The attention schedule needs eviction 'none', positions 'original', no
+  stop tokens (the while_loop has one body) and no sharding plan. The
+  blocked layout ('auto') needs the schedule, attention 'gqa', a float
+  cache, per-layer params (what `kvjax.packed.for_decode` gives on CPU),
+  batch >= BLOCKED_MIN_BATCH and CPU params (where it was measured).
+
+  Raises:
+    ValueError: an unknown decode_layout, or 'blocked' where it cannot run.
+  """
+  if decode_layout not in DECODE_LAYOUTS:
+    raise ValueError(f"decode_layout={decode_layout!r} is not one of "
+                     f"{DECODE_LAYOUTS}")
+  schedule = None
+  if (attend_buckets and not policy.bounded and
+      policy.positions == "original" and not stops and not sharded):
+    schedule = attention_schedule(
+        prompt_len, steps, capacity,
+        policy.key_group if policy.channel_keys else 1)
+  if decode_layout == "stacked":
+    return Plan(schedule, False)
+  why = None
+  if schedule is None:
+    why = ("it runs the attention segments, which need attend_buckets, "
+           "eviction='none', positions='original', no stop tokens and no "
+           "shardings")
+  elif config.attention != "gqa":
+    why = f"attention={config.attention!r} has no per-head keys"
+  elif policy.quantized:
+    why = f"kv_dtype={policy.kv_dtype!r} (int8 scales are not blocked)"
+  elif not all(isinstance(params[n], (list, tuple))
+               for n in ("layers", "moe_layers") if n in params):
+    why = ("stacked layer params reach the cache by a traced layer index; "
+           "per-layer arrays need the decode layout (`kvjax.packed`)")
+  if decode_layout == "blocked":
+    if why:
+      raise ValueError(f"decode_layout='blocked': {why}")
+    return Plan(schedule, True)
+  return Plan(schedule, why is None and batch >= BLOCKED_MIN_BATCH and
+              platform(params) == "cpu")
+
+
+def _no_pin(logits, cache):
+  return logits, cache
+
+
+def run(params, config: ModelConfig, tok_B, cache, xs, *,
+        choose: Callable[[jax.Array, Any], jax.Array],
+        emit: Callable[..., Any], n: int | None = None,
+        plan: Plan = Plan(), stop_tokens: tuple[int, ...] = (),
+        pad_id: int = 0, pin: Callable = _no_pin):
+  """Decode steps from `tok_B` [B] and `cache` (traceable; jit the caller).
+
+  Args:
+    xs: per-step inputs, a pytree with leading axis n (PRNG keys, given
+      tokens), or None with `n`.
+    choose: (logits [B, V] float32, x_i) -> the next token [B] int32.
+    emit: (logits [B, V], next [B], x_i, cache) -> a pytree recorded per
+      step.
+    plan: the segments and layout (`plan`); with stop tokens one body runs.
+    stop_tokens: with stop tokens a `lax.while_loop` runs until every
+      sequence has chosen one (or n steps); a finished sequence chooses
+      `pad_id` from then on and its emitted records keep their zeros.
+    pin: (logits, cache) -> (logits, cache): sharding constraints applied
+      to every step's results (generate's sharding plan).
+  Returns:
+    (last token [B], new cache, records stacked on a leading n axis).
+  """
+  if n is None:
+    n = jax.tree_util.tree_leaves(xs)[0].shape[0]
+
+  def step(tok_B, cache, rope, attend=0):
+    logits_BV, cache = pin(*model.decode_logits(params, config, tok_B,
+                                                cache, attend, rope))
+    return logits_BV, cache
+
+  def x_at(i):
+    return None if xs is None else jax.tree_util.tree_map(lambda a: a[i],
+                                                          xs)
+
+  if not stop_tokens:
+    def body(carry, x, attend):
+      tok_B, cache, rope = carry
+      logits_BV, cache = step(tok_B, cache, rope, attend)
+      nxt_B = choose(logits_BV, x)
+      return ((nxt_B, cache, model.decode_rope(config, cache)),
+              emit(logits_BV, nxt_B, x, cache))
+
+    records, start = [], 0
+    for steps, attend in plan.schedule or ((n, 0),):
+      prefix = attend or cache.capacity
+      use_blocked = plan.blocked and blocked.supports(cache, prefix) is None
+      seg = blocked.from_cache(cache, prefix) if use_blocked else cache
+      seg_xs = (None if xs is None else
+                jax.tree_util.tree_map(lambda a, s=start, k=steps: a[s:s + k],
+                                       xs))
+      (tok_B, seg, _), ys = jax.lax.scan(
+          functools.partial(body, attend=0 if use_blocked else attend),
+          (tok_B, seg, model.decode_rope(config, seg)), seg_xs,
+          length=steps)
+      cache = blocked.into_cache(cache, seg) if use_blocked else seg
+      records.append(ys)
+      start += steps
+    ys = jax.tree_util.tree_map(lambda *a: jnp.concatenate(a, axis=0),
+                                *records)
+    return tok_B, cache, ys
+
+  stops = jnp.asarray(stop_tokens, jnp.int32)
+  B = tok_B.shape[0]
+  shape = jax.eval_shape(
+      lambda t, c: emit(jnp.zeros((B, config.vocab_size), jnp.float32), t,
+                        x_at(0), c), tok_B, cache)
+  ys = jax.tree_util.tree_map(lambda s: jnp.zeros((n,) + s.shape, s.dtype),
+                              shape)
+
+  def cond(state):
+    i, _, _, _, done_B, _ = state
+    return (i < n) & ~jnp.all(done_B)
+
+  def loop_body(state):
+    i, tok_B, cache, rope, done_B, ys = state
+    x = x_at(i)
+    logits_BV, cache = step(tok_B, cache, rope)
+    nxt_B = jnp.where(done_B, pad_id, choose(logits_BV, x)).astype(jnp.int32)
+    ys = jax.tree_util.tree_map(lambda buf, y: buf.at[i].set(y), ys,
+                                emit(logits_BV, nxt_B, x, cache))
+    done_B = done_B | jnp.isin(nxt_B, stops)
+    return (i + 1, nxt_B, cache, model.decode_rope(config, cache), done_B,
+            ys)
+
+  done0 = jnp.isin(tok_B, stops)
+  state = (jnp.int32(0), tok_B, cache, model.decode_rope(config, cache),
+           done0, ys)
+  _, tok_B, cache, _, _, ys = jax.lax.while_loop(cond, loop_body, state)
+  return tok_B, cache, ys
