@@ -1,0 +1,127 @@
+r"""Task models: small byte models trained on `kvjax.tasks` mixtures.
+
+Select with `--config=configs/tasks.py:<variant>-<mixture>`, e.g.
+`gqa-passkey`, `mla-mqar`, `mha-mix`; override with
+`--config.train.num_steps=300`. Train with
+
+  python -m kvjax.tasks --config=configs/tasks.py:gqa-passkey \
+      --workdir=workdir/tasks-gqa-passkey
+
+and score with `experiments/task_eval.py --checkpoint=<that workdir>`.
+
+variants (same width, depth and heads; only the attention differs, and the
+MLP width F absorbs the difference so the parameter counts match, as in
+configs/train.py): D 128, L 2, N 4, H 32;
+  mha  K 4     mqa  K 1     gqa  K 2 (the reference, F 384)
+  mla  DeepSeek-V2 ratios: C = 4·H, R = H / 2, P = v = H
+F is the width whose `kvjax.param_count` comes closest to the GQA
+reference (tests/test_tasks.py checks the match within 1 %).
+
+mixtures (`kvjax.tasks.mixture_batch`; prompt_loss: next-byte loss on the
+whole row, else on the answers only; validation always scores answers):
+  passkey  passkey retrieval at training length T = 256, prompt_loss
+  mqar     multi-query associative recall, T = 256 (~27 pairs), loss on the
+           answers of every query (Zoology's objective)
+  niah     RULER single-key and needle-haystack multi-key, T = 256,
+           prompt_loss
+  mix      passkey, RULER's families and MQAR at T = 512 (multi-value and
+           multi-query prompts need > 256 bytes), prompt_loss
+"""
+
+import functools
+
+import ml_collections
+
+VARIANTS = ("mha", "mqa", "gqa", "mla")
+MIXTURES = {
+    "passkey": dict(names=["passkey"], weights=[1.0], seq_len=256,
+                    prompt_loss=True),
+    "mqar": dict(names=["mqar"], weights=[1.0], seq_len=256,
+                 prompt_loss=False),
+    "niah": dict(names=["niah_single", "niah_multikey_needles"],
+                 weights=[1.0, 1.0], seq_len=256, prompt_loss=True),
+    "mix": dict(names=["passkey", "niah_single", "niah_multikey",
+                       "niah_multikey_needles", "niah_multivalue",
+                       "niah_multiquery", "mqar"],
+                weights=[1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 2.0], seq_len=512,
+                prompt_loss=True),
+}
+PRESETS = tuple(f"{v}-{m}" for v in VARIANTS for m in MIXTURES)
+
+_D, _L, _N, _H = 128, 2, 4, 32
+_GQA_KV_HEADS = {"mha": 4, "mqa": 1, "gqa": 2}
+_REFERENCE_MLP = 384
+
+
+def _base_model(variant: str, mlp_dim: int) -> dict:
+  m = dict(vocab_size=259,  # 256 bytes + PAD, BOS, EOS (kvjax.data)
+           num_layers=_L, embed_dim=_D, num_heads=_N, head_dim_override=_H,
+           attention="gqa", num_kv_heads=2, mlp_dim=mlp_dim,
+           kv_lora_rank=0, q_lora_rank=0, qk_nope_head_dim=0,
+           qk_rope_head_dim=0, v_head_dim=0, rope_theta=10000.0,
+           rope_layout="half", max_seq_len=8192, rms_norm_eps=1e-6,
+           tie_embeddings=False, param_dtype="float32",
+           compute_dtype="float32", init_scale=0.02)
+  if variant == "mla":
+    m.update(attention="mla", num_kv_heads=1, head_dim_override=0,
+             kv_lora_rank=4 * _H, qk_rope_head_dim=_H // 2,
+             qk_nope_head_dim=_H, v_head_dim=_H, rope_layout="interleaved")
+  else:
+    m["num_kv_heads"] = _GQA_KV_HEADS[variant]
+  return m
+
+
+@functools.lru_cache(maxsize=None)
+def matched_mlp_dim(variant: str) -> int:
+  """The MLP width F (a multiple of 8) whose parameter count is closest to
+  the GQA reference's. The count is linear in F (L·3·D per unit), so two
+  counts give the line; F is rounded to the nearest multiple of 8."""
+  import kvjax  # pylint: disable=g-import-not-at-top
+
+  def count(v, f):
+    return kvjax.param_count(kvjax.ModelConfig.from_dict(_base_model(v, f)))
+
+  target = count("gqa", _REFERENCE_MLP)
+  at_8, at_16 = count(variant, 8), count(variant, 16)
+  per_unit = (at_16 - at_8) / 8
+  return max(8, 8 * round((8 + (target - at_8) / per_unit) / 8))
+
+
+def model_dict(variant: str) -> dict:
+  """Model fields (`kvjax.ModelConfig`) of one variant as a plain dict."""
+  if variant not in VARIANTS:
+    raise ValueError(f"unknown variant {variant!r}; choose from {VARIANTS}")
+  return _base_model(variant, matched_mlp_dim(variant))
+
+
+def get_config(arg: str = "gqa-passkey") -> ml_collections.ConfigDict:
+  variant, _, mixture = (arg or "gqa-passkey").partition("-")
+  if mixture not in MIXTURES:
+    raise ValueError(f"unknown mixture {mixture!r}; choose from "
+                     f"{tuple(MIXTURES)}")
+  mix = dict(MIXTURES[mixture])
+  seq_len = mix.pop("seq_len")
+  cfg = ml_collections.ConfigDict()
+  cfg.preset = f"{variant}-{mixture}"
+  cfg.model = ml_collections.ConfigDict(model_dict(variant))
+  cfg.tasks = ml_collections.ConfigDict(dict(mix, text_weight=0.0))
+  cfg.train = ml_collections.ConfigDict(dict(
+      seq_len=seq_len,
+      batch_size=16,
+      num_steps=600,
+      lr=3e-3,
+      warmup_steps=50,
+      min_lr_ratio=0.1,
+      weight_decay=0.1,
+      b1=0.9,
+      b2=0.95,
+      clip=1.0,
+      eval_every=100,
+      eval_batches=4,  # 4 × 16 fixed rows from another seed
+      checkpoint_every=100,
+      keep_checkpoints=2,
+      log_every=10,
+      seed=0,
+      data_dir=ml_collections.config_dict.placeholder(str),
+  ))
+  return cfg

@@ -1,0 +1,317 @@
+"""Task accuracy through a bounded KV cache (`kvjax.tasks` examples).
+
+Only kvjax's public API runs the model: `kvjax.generate`, `kvjax.prefill`,
+`kvjax.decode_step`, `kvjax.init_cache`, `kvjax.CachePolicy` and
+`kvjax.kv_bytes_per_token`. Nothing here reads a cache's fields, so the
+eviction internals may change underneath.
+
+A policy is named ('full', 'window', 'sinks<n>', 'h2o', each optionally
+':original' or ':cache' for the RoPE position mode) and sized by a budget:
+the cache holds ceil(budget × T) slots for a T-token prompt ('full' holds
+the whole prompt and answer, whatever the budget). Two ways through the
+model, chosen per call by `one_pass`:
+
+  one pass   `kvjax.generate(policy=..., capacity=...)` (greedy), or
+             `kvjax.prefill(all_logits=True)` for teacher forcing. The
+             prompt is prefilled in one parallel call; window and sinks
+             with positions='original' mask each query to what the cache
+             would hold at its step, so this equals streaming the prompt.
+  streamed   where a one-pass prefill must fit the cache (h2o, and
+             positions='cache'): `kvjax.prefill` of the first `capacity`
+             tokens, then `kvjax.decode_step` per remaining prompt token,
+             then greedy `decode_step`s. Every cache sees the prompt as a
+             stream, token by token, as in StreamingLLM and H2O.
+
+Dimension alphabet: B batch, T prompt length, A answer length, U teacher-
+forced input length (T + A - 1), V vocab, S cache slots.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import re
+import time
+from collections.abc import Sequence
+
+from absl import logging
+import jax.numpy as jnp
+import numpy as np
+
+import kvjax
+from kvjax import data
+from kvjax import tasks as tasks_lib
+
+_POLICY = re.compile(r"^(full|window|h2o|sinks(\d+))(?::(original|cache))?$")
+DEFAULT_POSITIONS = {"full": "original", "window": "original",
+                     "sinks": "cache", "h2o": "cache"}
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicySpec:
+  """A named cache policy; `at(capacity)` builds the `kvjax.CachePolicy`.
+
+  kind: 'full' (eviction none), 'window', 'sinks' (StreamingLLM: the first
+    `num_sinks` tokens and a recent window), 'h2o' (heavy hitters, half the
+    slots for the recent window as in the H2O paper's 20% = 10% + 10%).
+  positions: 'original' (keys rotated at their stream position) or 'cache'
+    (at their rank in the cache, StreamingLLM's choice). Defaults: window
+    and full 'original', sinks and h2o 'cache' (as `kvjax.streaming`).
+  """
+
+  name: str
+  kind: str
+  num_sinks: int = 0
+  positions: str = "original"
+
+  def at(self, capacity: int) -> kvjax.CachePolicy:
+    if self.kind == "full":
+      return kvjax.CachePolicy(positions=self.positions)
+    if self.kind == "window":
+      return kvjax.CachePolicy("window", positions=self.positions)
+    if self.kind == "sinks":
+      return kvjax.CachePolicy("sinks", num_sinks=self.num_sinks,
+                               positions=self.positions)
+    return kvjax.CachePolicy("h2o", recent=max(capacity // 2, 1),
+                             positions=self.positions)
+
+  def capacity(self, budget: float, prompt_len: int, answer_len: int) -> int:
+    """Cache slots for a prompt: the whole stream for 'full', else
+    ceil(budget × prompt_len).
+
+    Raises:
+      ValueError: budget outside (0, 1], or a capacity the policy cannot
+        run at (e.g. sinks with no slot beyond the sinks).
+    """
+    check_budget(budget)
+    if self.kind == "full":
+      return prompt_len + answer_len - 1
+    capacity = max(1, math.ceil(budget * prompt_len))
+    try:
+      self.at(capacity).validate_capacity(capacity)
+    except ValueError as e:
+      raise ValueError(f"policy {self.name!r} cannot run at budget={budget} "
+                       f"({capacity} slots of a {prompt_len}-token prompt): "
+                       f"{e}") from None
+    return capacity
+
+
+def check_budget(budget: float) -> float:
+  if (isinstance(budget, bool) or not isinstance(budget, (int, float)) or
+      not 0.0 < float(budget) <= 1.0):
+    raise ValueError(f"budget must be in (0, 1], got {budget!r}")
+  return float(budget)
+
+
+def parse_policy(name: str) -> PolicySpec:
+  """'full', 'window', 'sinks<n>', 'h2o', optionally ':original'/':cache'.
+
+  Raises:
+    ValueError: an unknown name (the message lists the forms).
+  """
+  m = _POLICY.match(name)
+  if not m:
+    raise ValueError(f"policy {name!r} is not one of full, window, sinks<n>, "
+                     "h2o (optionally ':original' or ':cache')")
+  kind = "sinks" if m.group(2) else m.group(1)
+  sinks = int(m.group(2)) if m.group(2) else 0
+  if kind == "sinks" and sinks < 1:
+    raise ValueError(f"policy {name!r}: sinks<n> needs n >= 1")
+  return PolicySpec(name=name, kind=kind, num_sinks=sinks,
+                    positions=m.group(3) or DEFAULT_POSITIONS[kind])
+
+
+def one_pass(policy: kvjax.CachePolicy, capacity: int, prompt_len: int) -> bool:
+  """Whether a `prompt_len`-token prompt may be prefilled in one call into
+  `capacity` slots: it fits, or the policy is a positional one (window,
+  sinks) that keeps original positions (see the module docstring)."""
+  return prompt_len <= capacity or (
+      policy.eviction in ("window", "sinks") and
+      policy.positions == "original")
+
+
+def _check_unpadded(attention_mask):
+  if not np.all(np.asarray(attention_mask) == 1):
+    raise ValueError("streaming a prompt through decode_step needs prompts "
+                     "of one length (no padding); batch by length")
+
+
+def _stream_prompt(params, config, tokens, policy, capacity, keep: int):
+  """Prefill of the first `capacity` tokens, then one decode_step per
+  remaining token. Returns (logits of the last `keep` positions [B, keep,
+  V], cache)."""
+  B, T = tokens.shape
+  cache = kvjax.init_cache(config, B, capacity, policy=policy)
+  first = min(T, capacity)
+  logits, cache = kvjax.prefill(params, config, tokens[:, :first], cache,
+                                all_logits=True)
+  out = [logits[:, max(0, first - keep):]]
+  for j in range(first, T):
+    step_logits, cache = kvjax.decode_step(params, config, tokens[:, j],
+                                           cache)
+    if j >= T - keep:
+      out.append(step_logits[:, None])
+  return jnp.concatenate(out, axis=1)[:, -keep:], cache
+
+
+def generate_answers(params, config, tokens, attention_mask, max_new: int,
+                     policy: kvjax.CachePolicy, capacity: int, *,
+                     stream: bool | None = None) -> np.ndarray:
+  """Greedy continuation of left-padded prompts through a bounded cache.
+
+  Args:
+    tokens, attention_mask: int32 [B, T] (left padding).
+    max_new: A, tokens to generate.
+    policy, capacity: the cache.
+    stream: force the streamed path (True) or the one-pass one (False);
+      None chooses by `one_pass`.
+  Returns:
+    int32 [B, A] generated ids.
+  """
+  T = int(np.asarray(attention_mask).sum(axis=1).max())
+  if stream is None:
+    stream = not one_pass(policy, capacity, T)
+  if not stream:
+    return np.asarray(kvjax.generate(
+        params, config, tokens, max_new, attention_mask=attention_mask,
+        capacity=capacity, policy=policy, bucket=False))
+  _check_unpadded(attention_mask)
+  logits, cache = _stream_prompt(params, config, jnp.asarray(tokens), policy,
+                                 capacity, keep=1)
+  tok = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
+  out = [tok]
+  for _ in range(max_new - 1):
+    step_logits, cache = kvjax.decode_step(params, config, tok, cache)
+    tok = jnp.argmax(step_logits, axis=-1).astype(jnp.int32)
+    out.append(tok)
+  return np.asarray(jnp.stack(out, axis=1))
+
+
+def teacher_forced_logits(params, config, tokens, attention_mask,
+                          policy: kvjax.CachePolicy, capacity: int, *,
+                          keep: int | None = None,
+                          stream: bool | None = None) -> np.ndarray:
+  """Logits of every position of [B, U] inputs read through the cache.
+
+  One pass: `kvjax.prefill(all_logits=True)`. Streamed: only the last
+  `keep` positions are real (the rest are zeros); `tasks.answer_loglik`
+  reads only the answer positions, which are the last ones.
+
+  Returns:
+    float32 [B, U, V].
+  """
+  U = tokens.shape[1]
+  n = int(np.asarray(attention_mask).sum(axis=1).max())
+  if stream is None:
+    stream = not one_pass(policy, capacity, n)
+  if not stream:
+    cache = kvjax.init_cache(config, tokens.shape[0], capacity, policy=policy)
+    logits, _ = kvjax.prefill(params, config, tokens, cache, attention_mask,
+                              all_logits=True)
+    return np.asarray(logits)
+  _check_unpadded(attention_mask)
+  keep = U if keep is None else keep
+  logits, _ = _stream_prompt(params, config, jnp.asarray(tokens), policy,
+                             capacity, keep)
+  full = np.zeros((tokens.shape[0], U, logits.shape[-1]), np.float32)
+  full[:, U - keep:] = np.asarray(logits)
+  return full
+
+
+def evaluate(params, config, examples: Sequence[tasks_lib.Example],
+             policy: str | PolicySpec, budget: float = 1.0, *,
+             batch_size: int = 8, loglik: bool = False) -> list[dict]:
+  """Scores examples through one cache policy at one budget.
+
+  Examples are grouped by prompt length (a group shares one capacity and
+  one compiled program) and run in equal batches of at most `batch_size`.
+
+  Args:
+    policy: a name (`parse_policy`) or a PolicySpec.
+    budget: in (0, 1], cache slots as a share of the prompt length.
+    loglik: also score the teacher-forced answer log-likelihood
+      (`tasks.answer_loglik`) through the same cache.
+  Returns:
+    One record per example: task, length, depth, needle_depth, seed,
+    policy, budget, capacity, kv_bytes (cache bytes per sequence:
+    `kv_bytes_per_token` × capacity), exact, recall, predicted (text) and,
+    with loglik, loglik / loglik_per_byte / token_accuracy / argmax_exact.
+  Raises:
+    ValueError: before any compute, for an unknown policy, a budget outside
+      (0, 1] or a capacity the policy cannot run at.
+  """
+  spec = parse_policy(policy) if isinstance(policy, str) else policy
+  check_budget(budget)
+  if batch_size < 1:
+    raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+  by_length = collections.defaultdict(list)
+  for e in examples:
+    by_length[(e.length, e.answer.shape[0])].append(e)
+  plans = {key: spec.capacity(budget, *key) for key in by_length}
+  records = []
+  for (T, A), group in sorted(by_length.items()):
+    capacity = plans[(T, A)]
+    cache_policy = spec.at(capacity)
+    kv_bytes = kvjax.kv_bytes_per_token(config, cache_policy.kv_dtype) * (
+        capacity)
+    t0 = time.perf_counter()
+    # Equal batches, the last one topped up with copies whose scores are
+    # dropped: one batch shape per group, so one compiled program.
+    n_batches = -(-len(group) // batch_size)
+    size = -(-len(group) // n_batches)
+    padded = list(group) + [group[-1]] * (n_batches * size - len(group))
+    for i in range(0, len(group), size):
+      real = len(group[i:i + size])
+      batch = tasks_lib.batch_examples(padded[i:i + size])
+
+      def gen(tokens, mask, max_new, cache_policy=cache_policy,
+              capacity=capacity):
+        return generate_answers(params, config, tokens, mask, max_new,
+                                cache_policy, capacity)
+
+      scores = tasks_lib.score_generate(gen, batch)
+      if loglik:
+        def logits_fn(tokens, mask, cache_policy=cache_policy,
+                      capacity=capacity):
+          return teacher_forced_logits(params, config, tokens, mask,
+                                       cache_policy, capacity, keep=A)
+        scores.update(tasks_lib.answer_loglik(logits_fn, batch))
+      for b, e in enumerate(batch.examples[:real]):
+        r = dict(task=e.task, length=T, depth=e.depth,
+                 needle_depth=e.needle_depth, seed=e.seed, filler=e.filler,
+                 policy=spec.name, budget=float(budget), capacity=capacity,
+                 kv_bytes=float(kv_bytes),
+                 exact=float(scores["exact"][b]),
+                 recall=float(scores["recall"][b]),
+                 predicted=data.decode(scores["predicted"][b]))
+        for k in ("loglik", "loglik_per_byte", "token_accuracy",
+                  "argmax_exact"):
+          if k in scores:
+            r[k] = float(scores[k][b])
+        records.append(r)
+    logging.info("%s budget %.3g, T=%d (S=%d): exact %.3f over %d (%.1f s)",
+                 spec.name, budget, T, capacity,
+                 np.mean([r["exact"] for r in records[-len(group):]]),
+                 len(group), time.perf_counter() - t0)
+  return records
+
+
+def accuracy_grid(records: Sequence[dict], metric: str = "exact",
+                  keys: Sequence[str] = ("length", "depth")) -> dict:
+  """Mean `metric` per combination of `keys`: {(k1, k2, ...): (mean, n)}."""
+  cells = collections.defaultdict(list)
+  for r in records:
+    cells[tuple(r[k] for k in keys)].append(r[metric])
+  return {k: (float(np.mean(v)), len(v)) for k, v in sorted(cells.items())}
+
+
+def wilson_interval(successes: float, n: int, z: float = 1.96):
+  """95 % Wilson score interval of a binomial share (works at 0 and n)."""
+  if n == 0:
+    return (0.0, 1.0)
+  p = successes / n
+  denom = 1 + z * z / n
+  centre = (p + z * z / (2 * n)) / denom
+  half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+  return (max(0.0, centre - half), min(1.0, centre + half))

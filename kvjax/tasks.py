@@ -1,0 +1,1312 @@
+r"""Synthetic long-context tasks, generated in code, and their scorers.
+
+Three families, each a byte-level prompt that ends in a question and an
+answer the model must produce next:
+
+  passkey   Mohtashami & Jaggi (2023), as in StreamingLLM's passkey test: a
+            number hidden in repeated filler, asked for at the end.
+  niah_*    RULER's needle-in-a-haystack families (Hsieh et al. 2024):
+            single key, multi-key (distractor needles), multi-value,
+            multi-query; the haystack is repeated noise sentences, held-out
+            text (the Austen corpus, when installed) or other needles.
+  mqar      multi-query associative recall (Zoology, Arora et al. 2023):
+            key=value pairs fill the context, then queries for some keys.
+
+Formats (one token per byte, `kvjax.data`; <BOS> is the BOS token):
+
+  passkey     <BOS>{filler} The pass key is 48213. Remember it. 48213 is the
+              pass key.{filler} What is the pass key? The pass key is
+              -> "48213"
+  niah_single <BOS>{filler} The magic number for bako is 4950265.{filler}
+              What is the magic number for bako? The magic number for bako
+              is  -> "4950265"
+  niah_multivalue  ... What are all the magic numbers for bako? The magic
+              numbers for bako are  -> "4950265, 1831108, 7203645, 3316727"
+              (values in the order their needles appear)
+  niah_multiquery  ... What are the magic numbers for bako, temi, lusa and
+              rope? The magic numbers for bako, temi, lusa and rope are
+              -> "..., ..., ..., ..." (in the order asked)
+  mqar        <BOS>{spaces} kqz=184 abt=902 ... wer=377\n abt=902 wer=377 kqz=
+              -> "184"
+
+The noise filler is Mohtashami & Jaggi's (" The grass is green. The sky is
+blue. The sun is yellow. Here we go. There and back again."), which RULER's
+"noise" haystack also uses. Keys are pronounceable pseudo-words of two
+consonant-vowel syllables ("bako"); RULER draws English words, pseudo-words
+keep every key distinct without shipping a word list.
+
+Every example is a pure function of (task, length, depth, seed) and the
+haystack stream passed in: the key, the values and the filler come from
+`np.random.default_rng([seed, length])`, so a depth sweep moves the same
+needle through the same haystack. Prompts are exactly `length` tokens; the
+answer length is fixed by the task. `depth` in [0, 1] is the fraction of the
+haystack (filler bytes) that precedes the first gold needle; needles are
+snapped to the nearest sentence boundary (noise, needles) or whitespace
+(text), so `Example.needle_depth` is the depth actually realised.
+
+Generators never read the disk: text haystacks come in as a token stream
+(`load_haystack` reads the Austen corpus if it is installed and returns
+None otherwise, never downloading); a text task without one falls back to
+the noise filler and says so in `Example.filler`.
+
+Sections: task specs and the registry (`TASKS`); generators (`generate`,
+`task_set`, `load_haystack`); the reference solver; batches and scorers
+(`batch_examples`, `exact_match`, `part_recall`, `score_generate`,
+`answer_loglik`); training data (`Mixture`, `mixture_batch`); and a task-
+model training loop (`train_task_model`, `python -m kvjax.tasks`) until
+`kvjax.train.fit` takes a batch function.
+
+Dimension alphabet: B batch, T prompt length (training: row length - 1),
+A answer length, M needles in one example, V vocab, U teacher-forced input
+length (T + A - 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
+
+from absl import logging
+import numpy as np
+
+from kvjax import data
+
+NOISE = (" The grass is green. The sky is blue. The sun is yellow. Here we go."
+         " There and back again.")
+PASSKEY_NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
+PASSKEY_QUESTION = " What is the pass key? The pass key is "
+NIAH_NEEDLE = " The magic number for {key} is {value}."
+NIAH_QUESTION = (" What is the magic number for {key}? The magic number for "
+                 "{key} is ")
+NIAH_QUESTION_VALUES = (" What are all the magic numbers for {key}? The magic "
+                        "numbers for {key} are ")
+NIAH_QUESTION_KEYS = (" What are the magic numbers for {keys}? The magic "
+                      "numbers for {keys} are ")
+ANSWER_SEPARATOR = ", "
+_CONSONANTS = "bdfgklmnprstvz"
+_VOWELS = "aeiou"
+
+FILLERS = ("noise", "text", "needles")
+KEY_KINDS = ("word", "number")
+
+
+# ----------------------------------------------------------------------------
+# Task specifications.
+
+
+@dataclasses.dataclass(frozen=True)
+class PasskeySpec:
+  """Passkey retrieval: a `digits`-digit number (leading digit non-zero).
+
+  filler: 'noise' (the paper's repeated sentences) or 'text'.
+  """
+
+  digits: int = 5
+  filler: str = "noise"
+
+  def __post_init__(self):
+    if not 1 <= self.digits <= 18:
+      raise ValueError(f"digits must be in [1, 18], got {self.digits}")
+    if self.filler not in ("noise", "text"):
+      raise ValueError(f"filler={self.filler!r} is not 'noise' or 'text'")
+
+  @property
+  def answer_length(self) -> int:
+    return self.digits
+
+
+@dataclasses.dataclass(frozen=True)
+class NiahSpec:
+  """RULER needle in a haystack.
+
+  num_keys: keys with needles (RULER num_needle_k); all but the queried
+    ones are distractors.
+  num_values: needles (values) per key (RULER num_needle_v).
+  num_queries: keys asked for (RULER num_needle_q), <= num_keys.
+  key_kind: 'word' (4-letter pseudo-word) or 'number' (`key_digits`).
+  value_digits: digits of each value (RULER: 7).
+  filler: 'noise', 'text' (held-out text; noise when none is given) or
+    'needles' (a haystack of distractor needles, RULER's multikey_2).
+  """
+
+  num_keys: int = 1
+  num_values: int = 1
+  num_queries: int = 1
+  key_kind: str = "word"
+  key_digits: int = 6
+  value_digits: int = 7
+  filler: str = "noise"
+
+  def __post_init__(self):
+    for name in ("num_keys", "num_values", "num_queries", "key_digits",
+                 "value_digits"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+    if self.num_queries > self.num_keys:
+      raise ValueError(f"num_queries={self.num_queries} exceeds "
+                       f"num_keys={self.num_keys}")
+    if self.num_values > 1 and self.num_queries > 1:
+      raise ValueError("num_values > 1 with num_queries > 1 has no RULER "
+                       "family; choose one")
+    if self.key_kind not in KEY_KINDS:
+      raise ValueError(f"key_kind={self.key_kind!r} is not one of {KEY_KINDS}")
+    if self.filler not in FILLERS:
+      raise ValueError(f"filler={self.filler!r} is not one of {FILLERS}")
+    if self.value_digits > 18:
+      raise ValueError(f"value_digits must be <= 18, got {self.value_digits}")
+
+  @property
+  def answer_parts(self) -> int:
+    return self.num_values * self.num_queries
+
+  @property
+  def answer_length(self) -> int:
+    n = self.answer_parts
+    return n * self.value_digits + (n - 1) * len(ANSWER_SEPARATOR)
+
+  @property
+  def key_length(self) -> int:
+    return 4 if self.key_kind == "word" else self.key_digits
+
+
+@dataclasses.dataclass(frozen=True)
+class MqarSpec:
+  """Multi-query associative recall over byte keys and values.
+
+  Pairs ' {key}={value}' (key: `key_length` lowercase letters, distinct;
+  value: `value_digits` digits, repeats allowed) fill the context; a newline
+  starts the queries: `num_queries - 1` answered ones (' {key}={value}',
+  the Zoology setting, a training signal at every answer) and a last one
+  (' {key}=') whose value is the answer. Queried keys are distinct.
+  """
+
+  key_length: int = 3
+  value_digits: int = 3
+  num_queries: int = 4
+
+  def __post_init__(self):
+    if not 1 <= self.key_length <= 6:
+      raise ValueError(f"key_length must be in [1, 6], got {self.key_length}")
+    if not 1 <= self.value_digits <= 18:
+      raise ValueError(f"value_digits must be in [1, 18], got "
+                       f"{self.value_digits}")
+    if self.num_queries < 1:
+      raise ValueError(f"num_queries must be >= 1, got {self.num_queries}")
+
+  @property
+  def answer_length(self) -> int:
+    return self.value_digits
+
+  @property
+  def pair_length(self) -> int:
+    return self.key_length + self.value_digits + 2  # ' ', '='
+
+  def num_pairs(self, length: int) -> int:
+    """Pairs in a prompt of `length` tokens (as many as fit)."""
+    return (length - self._fixed) // self.pair_length
+
+  @property
+  def _fixed(self) -> int:
+    # BOS, the newline, the answered queries, the last query ' {key}='.
+    return (2 + (self.num_queries - 1) * self.pair_length +
+            self.key_length + 2)
+
+
+TaskSpec = PasskeySpec | NiahSpec | MqarSpec
+
+# RULER's families (synthetic.yaml), with the haystack named by kind: 'noise'
+# is RULER's noise, 'text' its essay haystack (Austen here), 'needles' its
+# needle haystack. Word keys, number values throughout (RULER's uuid variants
+# are left out: 36-byte values dwarf a 256-byte context).
+TASKS: dict[str, TaskSpec] = {
+    "passkey": PasskeySpec(),
+    "niah_single": NiahSpec(),  # niah_single_1
+    "niah_single_text": NiahSpec(filler="text"),  # niah_single_2
+    "niah_multikey": NiahSpec(num_keys=4, filler="text"),  # niah_multikey_1
+    "niah_multikey_needles": NiahSpec(filler="needles"),  # niah_multikey_2
+    "niah_multivalue": NiahSpec(num_values=4, filler="text"),
+    "niah_multiquery": NiahSpec(num_keys=4, num_queries=4, filler="text"),
+    "mqar": MqarSpec(),
+}
+
+
+def get_task(task: str | TaskSpec) -> TaskSpec:
+  """The spec of a registered task name (a spec passes through).
+
+  Raises:
+    ValueError: an unknown name (the message lists the known ones).
+  """
+  if isinstance(task, (PasskeySpec, NiahSpec, MqarSpec)):
+    return task
+  if task not in TASKS:
+    raise ValueError(f"unknown task {task!r}; choose from {sorted(TASKS)}")
+  return TASKS[task]
+
+
+def task_name(task: str | TaskSpec) -> str:
+  """The registered name of a task (its repr for an unregistered spec)."""
+  if isinstance(task, str):
+    get_task(task)
+    return task
+  for name, spec in TASKS.items():
+    if spec == task:
+      return name
+  return repr(task)
+
+
+# ----------------------------------------------------------------------------
+# Examples.
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Example:
+  """One prompt and its answer.
+
+  tokens: int32 [T] BOS, context, question; exactly the requested length.
+  answer: int32 [A] the answer bytes the model must produce next (no EOS).
+  needles: int32 [M, 2] [start, end) of each needle in `tokens` (passkey:
+    the pass-key sentences; NIAH: every needle, distractors included; MQAR:
+    every key=value pair of the context).
+  values: int32 [M, 2] [start, end) of each needle's value bytes.
+  gold: bool [M] the needles whose values make up the answer.
+  prompt_targets: bool [T] prompt positions that are answers too (MQAR's
+    answered queries): training targets, never scored.
+  depth: the requested depth of the first gold needle.
+  anchor: row of `needles` placed at `depth` (a gold needle).
+  context: [start, end) of the haystack + needles in `tokens`.
+  filler: the haystack actually used ('noise', 'text', 'needles', 'pairs').
+  """
+
+  task: str
+  tokens: np.ndarray
+  answer: np.ndarray
+  needles: np.ndarray
+  values: np.ndarray
+  gold: np.ndarray
+  prompt_targets: np.ndarray
+  depth: float
+  anchor: int
+  context: tuple[int, int]
+  filler: str
+  seed: int
+
+  @property
+  def length(self) -> int:
+    return int(self.tokens.shape[0])
+
+  @property
+  def needle_depth(self) -> float:
+    """Realised depth: the share of the haystack (context without needles)
+    before the anchor needle (0 at the start, 1 at the end); MQAR, whose
+    context is all pairs: anchor / (pairs - 1)."""
+    if self.filler == "pairs":
+      return self.anchor / max(self.needles.shape[0] - 1, 1)
+    start, end = self.context
+    g = self.anchor
+    first = self.needles[g, 0]
+    before = self.needles[:, 1] <= first
+    before[g] = False
+    needle_bytes = int(np.sum(self.needles[:, 1] - self.needles[:, 0]))
+    haystack = (end - start) - needle_bytes
+    preceding = (first - start) - int(
+        np.sum(self.needles[before, 1] - self.needles[before, 0]))
+    return preceding / haystack if haystack > 0 else 0.0
+
+  def text(self) -> str:
+    return data.decode(self.tokens)
+
+
+def _make_example(task, tokens, answer, needles, values, gold, anchor,
+                  prompt_targets, depth, context, filler, seed) -> Example:
+  return Example(task=task, tokens=np.asarray(tokens, np.int32),
+                 answer=np.asarray(answer, np.int32),
+                 needles=np.asarray(needles, np.int32).reshape(-1, 2),
+                 values=np.asarray(values, np.int32).reshape(-1, 2),
+                 gold=np.asarray(gold, bool),
+                 prompt_targets=np.asarray(prompt_targets, bool),
+                 depth=float(depth), anchor=int(anchor),
+                 context=tuple(int(c) for c in context), filler=filler,
+                 seed=int(seed))
+
+
+def _number(rng, digits: int) -> str:
+  return str(int(rng.integers(10 ** (digits - 1), 10 ** digits)))
+
+
+def _distinct_numbers(rng, n: int, digits: int) -> list[str]:
+  lo, hi = 10 ** (digits - 1), 10 ** digits
+  if hi - lo < n:
+    raise ValueError(f"cannot draw {n} distinct {digits}-digit numbers")
+  out: set[int] = set()
+  picked = []
+  while len(picked) < n:
+    x = int(rng.integers(lo, hi))
+    if x not in out:
+      out.add(x)
+      picked.append(str(x))
+  return picked
+
+
+def _pseudo_words(rng, n: int, exclude: Sequence[str] = ()) -> list[str]:
+  syllables = [c + v for c in _CONSONANTS for v in _VOWELS]
+  space = len(syllables) ** 2
+  if n > space - len(exclude):
+    raise ValueError(f"cannot draw {n} distinct pseudo-words")
+  ex = set(exclude)
+  words: list[str] = []
+  seen = set(ex)
+  while len(words) < n:
+    i, j = rng.integers(0, len(syllables), size=2)
+    w = syllables[i] + syllables[j]
+    if w not in seen:
+      seen.add(w)
+      words.append(w)
+  return words
+
+
+def _keys(rng, spec: NiahSpec, n: int, exclude: Sequence[str] = ()):
+  if spec.key_kind == "word":
+    return _pseudo_words(rng, n, exclude)
+  ex = set(exclude)
+  keys: list[str] = []
+  while len(keys) < n:
+    k = _number(rng, spec.key_digits)
+    if k not in ex:
+      ex.add(k)
+      keys.append(k)
+  return keys
+
+
+def _bytes(s: str) -> np.ndarray:
+  return np.frombuffer(s.encode("utf-8"), np.uint8).astype(np.int32)
+
+
+def _boundaries(filler: np.ndarray, kind: str) -> np.ndarray:
+  """Positions in the filler where a needle (which starts with a space and
+  ends with '.') may go: sentence starts (noise, needles) or before
+  whitespace (text); always 0 and n. Fillers start with whitespace and end
+  at a sentence's or word's end (`_padded`), so 0 and n are clean too."""
+  n = filler.shape[0]
+  if kind in ("noise", "needles"):
+    # Before ' The' that follows '.', and at 0.
+    inner = np.flatnonzero((filler[1:] == ord(" ")) &
+                           (filler[:-1] == ord("."))) + 1
+  else:
+    inner = np.flatnonzero((filler == ord(" ")) | (filler == ord("\n")))
+  return np.unique(np.concatenate([[0, n], inner]))
+
+
+def _snap(boundaries: np.ndarray, target: float) -> int:
+  return int(boundaries[np.argmin(np.abs(boundaries - target))])
+
+
+def _padded(parts: list[np.ndarray], n: int) -> np.ndarray:
+  """Whole pieces that fit in n bytes, after as many spaces as are left:
+  no sentence or word is cut, and the filler is exactly n bytes."""
+  kept, size = [], 0
+  for p in parts:
+    if size + p.shape[0] > n:
+      break
+    kept.append(p)
+    size += p.shape[0]
+  return np.concatenate([np.full((n - size,), ord(" "), np.int32)] + kept)
+
+
+def _noise_filler(rng, n: int) -> np.ndarray:
+  """Mohtashami & Jaggi's sentences in order, from a random one."""
+  sentences = [_bytes(" " + x.strip() + ".") for x in NOISE.split(".")
+               if x.strip()]
+  first = int(rng.integers(len(sentences)))
+  count = n // min(len(x) for x in sentences) + 1
+  return _padded([sentences[(first + i) % len(sentences)]
+                  for i in range(count)], n)
+
+
+def _text_filler(rng, n: int, haystack: np.ndarray) -> np.ndarray:
+  """A window of the stream that starts at whitespace and ends at a word's
+  end (the last whitespace and what follows it dropped)."""
+  if n == 0:
+    return np.zeros((0,), np.int32)
+  if haystack.shape[0] < 2 * n:
+    raise ValueError(f"the haystack stream holds {haystack.shape[0]} bytes; "
+                     f"this length needs at least {2 * n}")
+  start = int(rng.integers(0, haystack.shape[0] - 2 * n + 1))
+  window = np.asarray(haystack[start:start + 2 * n], np.int32)
+  if window.min() < 0 or window.max() >= data.BYTE_VOCAB:
+    raise ValueError("the haystack holds non-byte tokens (BOS/EOS/PAD); "
+                     "drop them first, as `load_haystack` does")
+  space = np.flatnonzero((window == ord(" ")) | (window == ord("\n")))
+  if space.size < 2 or space[0] >= n:
+    return window[:n]  # no whitespace to align to: a raw window
+  window = window[space[0]:space[0] + n]
+  ends = np.flatnonzero((window == ord(" ")) | (window == ord("\n")))
+  cut = int(ends[-1]) if ends[-1] > 0 else n
+  return _padded([window[:cut]], n)
+
+
+def _needle_filler(rng, n: int, spec: NiahSpec, exclude: Sequence[str]):
+  """A haystack of whole distractor needles with fresh keys."""
+  out, size, used = [], 0, list(exclude)
+  while size < n:
+    key = _keys(rng, spec, 1, used)[0]
+    used.append(key)
+    s = _bytes(NIAH_NEEDLE.format(key=key,
+                                  value=_number(rng, spec.value_digits)))
+    out.append(s)
+    size += s.shape[0]
+  return _padded(out, n)
+
+
+def _filler(rng, n: int, kind: str, haystack, spec, exclude=()):
+  """(filler bytes int32 [n], the kind actually used)."""
+  if kind == "text" and haystack is None:
+    kind = "noise"
+  if kind == "noise":
+    return _noise_filler(rng, n), kind
+  if kind == "text":
+    return _text_filler(rng, n, haystack), kind
+  return _needle_filler(rng, n, spec, exclude), kind
+
+
+def _check_length(task: str, length: int, minimum: int):
+  if not isinstance(length, (int, np.integer)) or isinstance(length, bool):
+    raise ValueError(f"length must be an int, got {length!r}")
+  if length < minimum:
+    raise ValueError(f"length={length} is below the minimum {minimum} of "
+                     f"task {task!r}")
+
+
+def _check_depth(depth: float):
+  if not (isinstance(depth, (int, float, np.floating, np.integer)) and
+          0.0 <= float(depth) <= 1.0):
+    raise ValueError(f"depth must be in [0, 1], got {depth!r}")
+
+
+def _check_seed(seed: int):
+  if not isinstance(seed, (int, np.integer)) or seed < 0:
+    raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+
+
+def _splice(name, filler, needles_text, gold_flags, depths, kind, question,
+            answer, depth, seed, value_offsets):
+  """Inserts the needles at their depths into the filler, after BOS and
+  before the question. `value_offsets[i]` is (start, end) of needle i's value
+  inside its text. Needle 0 is the gold one placed at `depth`."""
+  bounds = _boundaries(filler, kind)
+  n = filler.shape[0]
+  points = [_snap(bounds, d * n) for d in depths]
+  order = sorted(range(len(needles_text)), key=lambda i: (points[i], i))
+  parts = [np.array([data.BOS], np.int32)]
+  spans, vspans = [None] * len(order), [None] * len(order)
+  pos, prev = 1, 0
+  for i in order:
+    chunk = filler[prev:points[i]]
+    parts.append(chunk)
+    pos += chunk.shape[0]
+    prev = points[i]
+    t = needles_text[i]
+    spans[i] = (pos, pos + t.shape[0])
+    vspans[i] = (pos + value_offsets[i][0], pos + value_offsets[i][1])
+    parts.append(t)
+    pos += t.shape[0]
+  parts.append(filler[prev:])
+  context_end = pos + (n - prev)
+  parts.append(question)
+  tokens = np.concatenate(parts)
+  # Rows of needles/values follow the order of the needles in the prompt.
+  needles = np.array([spans[i] for i in order], np.int32)
+  values = np.array([vspans[i] for i in order], np.int32)
+  gold = np.array([gold_flags[i] for i in order], bool)
+  return _make_example(name, tokens, answer, needles, values, gold,
+                       order.index(0), np.zeros(tokens.shape, bool), depth,
+                       (1, context_end), kind, seed)
+
+
+def min_length(task: str | TaskSpec) -> int:
+  """The shortest prompt a task can be generated at (the longest keys and
+  needles it may draw, no filler)."""
+  spec = get_task(task)
+  if isinstance(spec, PasskeySpec):
+    key = "9" * spec.digits
+    return (1 + len(PASSKEY_NEEDLE.format(key=key)) + len(PASSKEY_QUESTION))
+  if isinstance(spec, MqarSpec):
+    return spec._fixed + spec.num_queries * spec.pair_length  # pylint: disable=protected-access
+  key = "k" * spec.key_length
+  needle = len(NIAH_NEEDLE.format(key=key, value="9" * spec.value_digits))
+  return (1 + spec.num_keys * spec.num_values * needle +
+          len(_niah_question(spec, [key] * spec.num_queries)))
+
+
+def _niah_question(spec: NiahSpec, keys: Sequence[str]) -> str:
+  if spec.num_values > 1:
+    return NIAH_QUESTION_VALUES.format(key=keys[0])
+  if spec.num_queries > 1:
+    joined = ", ".join(keys[:-1]) + " and " + keys[-1]
+    return NIAH_QUESTION_KEYS.format(keys=joined)
+  return NIAH_QUESTION.format(key=keys[0])
+
+
+def generate(task: str | TaskSpec, length: int, depth: float, seed: int,
+             haystack: np.ndarray | None = None) -> Example:
+  """One example of `task`, exactly `length` tokens long.
+
+  Args:
+    task: a name in `TASKS` or a spec.
+    length: T, prompt tokens (BOS through the question's last byte).
+    depth: in [0, 1], where the first gold needle goes (fraction of the
+      haystack before it); MQAR: which pair is queried last (pair
+      round(depth * (num_pairs - 1))).
+    seed: >= 0; with `length` it fixes keys, values and filler.
+    haystack: int token stream of bytes (< 256, e.g. `load_haystack`) for
+      'text' fillers; None falls back to the noise filler (recorded in
+      `Example.filler`).
+
+  Raises:
+    ValueError: unknown task, length below `min_length`, depth outside
+      [0, 1], a negative seed; each names the field.
+  """
+  spec = get_task(task)
+  name = task_name(task)
+  _check_length(name, length, min_length(spec))
+  _check_depth(depth)
+  _check_seed(seed)
+  rng = np.random.default_rng([int(seed), int(length)])
+  if isinstance(spec, PasskeySpec):
+    return _passkey(name, spec, length, depth, seed, rng, haystack)
+  if isinstance(spec, NiahSpec):
+    return _niah(name, spec, length, depth, seed, rng, haystack)
+  return _mqar(name, spec, length, depth, seed, rng)
+
+
+def _passkey(name, spec, length, depth, seed, rng, haystack):
+  key = _number(rng, spec.digits)
+  needle_s = PASSKEY_NEEDLE.format(key=key)
+  needle = _bytes(needle_s)
+  question = _bytes(PASSKEY_QUESTION)
+  n = length - 1 - needle.shape[0] - question.shape[0]
+  filler, kind = _filler(rng, n, spec.filler, haystack, spec)
+  v0 = needle_s.index(key)
+  return _splice(name, filler, [needle], [True], [depth], kind, question,
+                 _bytes(key), depth, seed, [(v0, v0 + len(key))])
+
+
+def _niah(name, spec, length, depth, seed, rng, haystack):
+  keys = _keys(rng, spec, spec.num_keys)
+  values = [_distinct_numbers(rng, spec.num_values, spec.value_digits)
+            for _ in keys]
+  queried = keys[:spec.num_queries]
+  texts, golds, offsets, key_of = [], [], [], []
+  for k, key in enumerate(keys):
+    for value in values[k]:
+      s = NIAH_NEEDLE.format(key=key, value=value)
+      texts.append(_bytes(s))
+      golds.append(k < spec.num_queries)
+      v0 = s.rindex(value)
+      offsets.append((v0, v0 + len(value)))
+      key_of.append(k)
+  # The first gold needle at `depth`, every other needle at a random one.
+  depths = [depth] + list(rng.uniform(0.0, 1.0, size=len(texts) - 1))
+  question = _bytes(_niah_question(spec, queried))
+  n = length - 1 - sum(t.shape[0] for t in texts) - question.shape[0]
+  filler, kind = _filler(rng, n, spec.filler, haystack, spec, exclude=keys)
+  ex = _splice(name, filler, texts, golds, depths, kind, question,
+               np.zeros((0,), np.int32), depth, seed, offsets)
+  # The answer: multi-value in the order the needles appear, otherwise in
+  # the order the keys are asked.
+  if spec.num_values > 1:
+    parts = [ex.tokens[a:b] for (a, b), g in zip(ex.values, ex.gold) if g]
+  else:
+    parts = [_bytes(values[k][0]) for k in range(spec.num_queries)]
+  sep = _bytes(ANSWER_SEPARATOR)
+  answer = np.concatenate(
+      [p for i, part in enumerate(parts)
+       for p in ((sep, part) if i else (part,))])
+  return dataclasses.replace(ex, answer=answer.astype(np.int32))
+
+
+def _mqar(name, spec, length, depth, seed, rng):
+  d = spec.num_pairs(length)
+  if d > 26 ** spec.key_length:
+    raise ValueError(f"length={length} holds {d} pairs, more than the "
+                     f"{26 ** spec.key_length} distinct keys of "
+                     f"key_length={spec.key_length}")
+  pad = length - spec._fixed - d * spec.pair_length  # pylint: disable=protected-access
+  letters = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz", np.uint8)
+  codes = rng.choice(26 ** spec.key_length, size=d, replace=False)
+  keys = [bytes(letters[(c // 26 ** np.arange(spec.key_length)) % 26])
+          .decode() for c in codes]
+  # Zero-padded values keep every value `value_digits` long.
+  values = [str(int(rng.integers(0, 10 ** spec.value_digits))).zfill(
+      spec.value_digits) for _ in range(d)]
+  target = int(round(float(depth) * (d - 1)))
+  others = [i for i in range(d) if i != target]
+  asked = list(rng.choice(others, size=spec.num_queries - 1, replace=False))
+  parts = [np.array([data.BOS], np.int32), _bytes(" " * pad)]
+  needles, vals = [], []
+  pos = 1 + pad
+  for k, v in zip(keys, values):
+    s = f" {k}={v}"
+    needles.append((pos, pos + len(s)))
+    vals.append((pos + len(s) - len(v), pos + len(s)))
+    parts.append(_bytes(s))
+    pos += len(s)
+  context_end = pos
+  parts.append(_bytes("\n"))
+  pos += 1
+  supervised = []
+  for i in asked:
+    s = f" {keys[i]}={values[i]}"
+    supervised.append((pos + len(s) - spec.value_digits, pos + len(s)))
+    parts.append(_bytes(s))
+    pos += len(s)
+  parts.append(_bytes(f" {keys[target]}="))
+  tokens = np.concatenate(parts)
+  prompt_targets = np.zeros(tokens.shape, bool)
+  for a, b in supervised:
+    prompt_targets[a:b] = True
+  gold = np.zeros((d,), bool)
+  gold[target] = True
+  return _make_example(name, tokens, _bytes(values[target]), needles, vals,
+                       gold, target, prompt_targets, depth,
+                       (1, context_end), "pairs", seed)
+
+
+def task_set(task: str | TaskSpec, lengths: Sequence[int],
+             depths: Sequence[float], samples: int, seed: int = 0,
+             haystack: np.ndarray | None = None) -> list[Example]:
+  """The grid lengths × depths × samples; sample i has seed `seed + i`, so
+  every (length, depth) cell holds the same keys at a different depth."""
+  if samples < 1:
+    raise ValueError(f"samples must be >= 1, got {samples}")
+  if not lengths or not depths:
+    raise ValueError("lengths and depths must be non-empty")
+  return [generate(task, int(n), float(d), seed + i, haystack)
+          for n in lengths for d in depths for i in range(samples)]
+
+
+def load_haystack(split: str = "validation",
+                  data_dir: str | None = None) -> np.ndarray | None:
+  """The Austen corpus's bytes for text haystacks, or None when the corpus
+  (or `rdata`) is not installed: nothing is downloaded here.
+
+  Args:
+    split: 'validation' (the held-out novel: evaluation) or 'train'.
+  Returns:
+    int32 [N] byte tokens (BOS/EOS dropped), or None.
+  """
+  if split not in ("train", "validation"):
+    raise ValueError(f"split={split!r} is not 'train' or 'validation'")
+  try:
+    streams = data.austen_streams(data_dir)
+  except (data.CorpusNotFoundError, ImportError) as e:
+    logging.warning("no Austen corpus (%s); text haystacks fall back to the "
+                    "noise filler", str(e).splitlines()[0])
+    return None
+  stream = getattr(streams, split)
+  return stream[stream < data.BYTE_VOCAB].astype(np.int32)
+
+
+# ----------------------------------------------------------------------------
+# The reference solver: the answer from the prompt alone, by string matching.
+
+
+def reference_answer(task: str | TaskSpec, tokens) -> np.ndarray:
+  """What a perfect reader answers, parsed from the prompt's bytes only.
+
+  It knows the formats (module docstring), not the generator's state: it
+  finds the key(s) asked in the question and reads the matching needle(s)
+  in the context. Tests use it to check that every answer is recoverable
+  from the tokens.
+
+  Returns:
+    int32 [A] answer bytes.
+  Raises:
+    ValueError: the prompt does not hold a parseable question or needle.
+  """
+  spec = get_task(task)
+  text = data.decode(tokens)
+  if isinstance(spec, PasskeySpec):
+    m = re.search(r"The pass key is (\d+)\. Remember it\.", text)
+    if not m:
+      raise ValueError("no pass key sentence in the prompt")
+    return _bytes(m.group(1))
+  if isinstance(spec, MqarSpec):
+    context, _, queries = text.rpartition("\n")
+    m = re.search(r" ([a-z]+)=$", queries)
+    if not m:
+      raise ValueError("no final query in the prompt")
+    found = re.findall(rf" {m.group(1)}=(\d+)", context)
+    if len(found) != 1:
+      raise ValueError(f"key {m.group(1)!r} appears {len(found)} times")
+    return _bytes(found[0])
+  m = re.search(r"What (?:is|are(?: all)?) the magic numbers? for (.+?)\? "
+                r"The magic", text)
+  if not m:
+    raise ValueError("no question in the prompt")
+  context = text[:m.start()]
+  asked = re.split(r", | and ", m.group(1))
+  parts = []
+  for key in asked:
+    found = re.findall(rf"The magic number for {re.escape(key)} is (\d+)\.",
+                       context)
+    if not found:
+      raise ValueError(f"no needle for key {key!r}")
+    parts.extend(found)
+  return _bytes(ANSWER_SEPARATOR.join(parts))
+
+
+# ----------------------------------------------------------------------------
+# Batches for inference and the scorers.
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TaskBatch:
+  """Examples stacked for `kvjax.generate` (left padding).
+
+  tokens: int32 [B, T] prompts, left-padded with PAD to the longest.
+  attention_mask: int32 [B, T] 1 on prompt tokens, 0 on padding.
+  answers: int32 [B, A] answers, right-padded with PAD to the longest.
+  answer_mask: bool [B, A] True on answer bytes.
+  needle_starts: int32 [B] where the first gold needle starts in `tokens`
+    (padding included).
+  lengths, depths, needle_depths: [B] per example.
+  """
+
+  tokens: np.ndarray
+  attention_mask: np.ndarray
+  answers: np.ndarray
+  answer_mask: np.ndarray
+  needle_starts: np.ndarray
+  lengths: np.ndarray
+  depths: np.ndarray
+  needle_depths: np.ndarray
+  examples: tuple[Example, ...]
+
+  @property
+  def answer_length(self) -> int:
+    return int(self.answers.shape[1])
+
+
+def batch_examples(examples: Sequence[Example],
+                   pad_to: int | None = None) -> TaskBatch:
+  """Stacks examples: prompts left-padded (PAD, mask 0) to the longest (or
+  `pad_to`), answers right-padded (PAD, answer_mask False)."""
+  if not examples:
+    raise ValueError("no examples to batch")
+  T = max(e.length for e in examples)
+  if pad_to is not None:
+    if pad_to < T:
+      raise ValueError(f"pad_to={pad_to} is shorter than the longest prompt "
+                       f"({T})")
+    T = pad_to
+  A = max(e.answer.shape[0] for e in examples)
+  B = len(examples)
+  tokens = np.full((B, T), data.PAD, np.int32)
+  mask = np.zeros((B, T), np.int32)
+  answers = np.full((B, A), data.PAD, np.int32)
+  amask = np.zeros((B, A), bool)
+  starts = np.zeros((B,), np.int32)
+  for b, e in enumerate(examples):
+    pad = T - e.length
+    tokens[b, pad:] = e.tokens
+    mask[b, pad:] = 1
+    answers[b, :e.answer.shape[0]] = e.answer
+    amask[b, :e.answer.shape[0]] = True
+    starts[b] = pad + e.needles[e.anchor, 0]
+  return TaskBatch(
+      tokens=tokens, attention_mask=mask, answers=answers, answer_mask=amask,
+      needle_starts=starts,
+      lengths=np.array([e.length for e in examples], np.int32),
+      depths=np.array([e.depth for e in examples], np.float64),
+      needle_depths=np.array([e.needle_depth for e in examples], np.float64),
+      examples=tuple(examples))
+
+
+def exact_match(predicted, answers, answer_mask=None) -> np.ndarray:
+  """1.0 where a prediction starts with the whole answer, else 0.0.
+
+  Args:
+    predicted: int [B, P] generated ids (P >= the answer lengths; what comes
+      after the answer is ignored, so a model may go on talking).
+    answers: int [B, A] answers (right-padded).
+    answer_mask: bool [B, A], True on answer bytes (default: all True).
+  Returns:
+    float64 [B]: row b is 1.0 iff predicted[b, i] == answers[b, i] for every
+    i with answer_mask[b, i]; a prediction shorter than its answer scores 0.
+  """
+  predicted, answers = np.asarray(predicted), np.asarray(answers)
+  if predicted.ndim != 2 or answers.ndim != 2:
+    raise ValueError(f"predicted and answers must be [B, *], got "
+                     f"{predicted.shape} and {answers.shape}")
+  if predicted.shape[0] != answers.shape[0]:
+    raise ValueError(f"batch mismatch: predicted {predicted.shape[0]} rows, "
+                     f"answers {answers.shape[0]}")
+  mask = (np.ones(answers.shape, bool) if answer_mask is None
+          else np.asarray(answer_mask, bool))
+  A = answers.shape[1]
+  if predicted.shape[1] < A:
+    short = np.full((predicted.shape[0], A - predicted.shape[1]), -1)
+    predicted = np.concatenate([predicted, short], axis=1)
+  same = (predicted[:, :A] == answers) | ~mask
+  return same.all(axis=1).astype(np.float64)
+
+
+def part_recall(predicted, examples: Sequence[Example]) -> np.ndarray:
+  """RULER's string_match_all: the share of the answer's parts (the values
+  joined by ', ') that occur anywhere in the decoded prediction.
+
+  Returns:
+    float64 [B] in [0, 1]; 1.0 for every exact match.
+  """
+  predicted = np.asarray(predicted)
+  out = np.zeros((len(examples),), np.float64)
+  for b, e in enumerate(examples):
+    text = data.decode(predicted[b])
+    parts = data.decode(e.answer).split(ANSWER_SEPARATOR)
+    out[b] = np.mean([p in text for p in parts])
+  return out
+
+
+GenerateFn = Callable[[np.ndarray, np.ndarray, int], np.ndarray]
+LogitsFn = Callable[[np.ndarray, np.ndarray], np.ndarray]
+
+
+def score_generate(generate_fn: GenerateFn, batch: TaskBatch) -> dict:
+  """Greedy exact match of a model's answers.
+
+  Args:
+    generate_fn: (tokens int32 [B, T], attention_mask int32 [B, T],
+      max_new_tokens A) -> generated ids [B, >= A]; e.g. a closure over
+      `kvjax.generate` with a cache policy (`kvjax.task_eval`).
+    batch: from `batch_examples`.
+  Returns:
+    {'predicted': int32 [B, A], 'exact': float [B] (`exact_match`),
+     'recall': float [B] (`part_recall`)}.
+  """
+  out = np.asarray(generate_fn(batch.tokens, batch.attention_mask,
+                               batch.answer_length))
+  if out.ndim != 2 or out.shape[0] != batch.tokens.shape[0]:
+    raise ValueError(f"generate_fn returned shape {out.shape}, expected "
+                     f"[{batch.tokens.shape[0]}, >= {batch.answer_length}]")
+  return {"predicted": out[:, :batch.answer_length].astype(np.int32),
+          "exact": exact_match(out, batch.answers, batch.answer_mask),
+          "recall": part_recall(out, batch.examples)}
+
+
+def teacher_forced_inputs(batch: TaskBatch):
+  """Prompt ++ answer[:-1] per row, left-padded, and where each answer
+  byte is predicted.
+
+  Returns:
+    (tokens int32 [B, U], attention_mask int32 [B, U], index int32 [B, A]):
+    logits[b, index[b, i]] predict answers[b, i] (index is 0 where
+    answer_mask is False).
+  """
+  rows = [np.concatenate([e.tokens, e.answer[:-1]]) for e in batch.examples]
+  U = max(r.shape[0] for r in rows)
+  B, A = batch.answers.shape
+  tokens = np.full((B, U), data.PAD, np.int32)
+  mask = np.zeros((B, U), np.int32)
+  index = np.zeros((B, A), np.int32)
+  for b, (r, e) in enumerate(zip(rows, batch.examples)):
+    pad = U - r.shape[0]
+    tokens[b, pad:] = r
+    mask[b, pad:] = 1
+    a = e.answer.shape[0]
+    index[b, :a] = pad + e.length - 1 + np.arange(a)
+  return tokens, mask, index
+
+
+def answer_loglik(logits_fn: LogitsFn, batch: TaskBatch) -> dict:
+  """Teacher-forced answer log-likelihood: cheap, and graded where exact
+  match is all-or-nothing (a random model scores ~ -A·ln V, not just 0).
+
+  The model reads the prompt followed by the true answer's bytes; at each
+  answer byte i it is scored on log p(answer_i | prompt, answer_<i).
+
+  Args:
+    logits_fn: (tokens int32 [B, U], attention_mask int32 [B, U]) -> logits
+      [B, U, V] (left padding), e.g. `kvjax.forward` or a cache-policy
+      prefill with all_logits (`kvjax.task_eval`).
+    batch: from `batch_examples`.
+  Returns:
+    {'loglik': float [B] summed nats over the answer bytes,
+     'loglik_per_byte': float [B] (loglik / A_b),
+     'token_accuracy': float [B] share of answer bytes that are the argmax,
+     'argmax_exact': float [B] 1.0 iff every answer byte is the argmax (the
+       teacher-forced counterpart of `exact_match`; it equals greedy exact
+       match whenever the greedy answer is right)}.
+  """
+  tokens, mask, index = teacher_forced_inputs(batch)
+  logits = np.asarray(logits_fn(tokens, mask), np.float64)
+  B = tokens.shape[0]
+  if logits.shape[:2] != tokens.shape:
+    raise ValueError(f"logits_fn returned shape {logits.shape}, expected "
+                     f"[{B}, {tokens.shape[1]}, V]")
+  picked = logits[np.arange(B)[:, None], index]  # [B, A, V]
+  top = picked.max(axis=-1, keepdims=True)
+  logz = np.log(np.exp(picked - top).sum(axis=-1)) + top[..., 0]
+  answers = np.where(batch.answer_mask, batch.answers, 0)
+  logp = np.take_along_axis(picked, answers[..., None], axis=-1)[..., 0] - logz
+  m = batch.answer_mask
+  hit = (picked.argmax(axis=-1) == batch.answers) & m
+  count = m.sum(axis=1)
+  loglik = np.where(m, logp, 0.0).sum(axis=1)
+  return {"loglik": loglik, "loglik_per_byte": loglik / count,
+          "token_accuracy": hit.sum(axis=1) / count,
+          "argmax_exact": (hit | ~m).all(axis=1).astype(np.float64)}
+
+
+# ----------------------------------------------------------------------------
+# Training data: a mixture of tasks (and optionally plain text).
+
+
+@dataclasses.dataclass(frozen=True)
+class Mixture:
+  """What a training batch is made of.
+
+  tasks: (task name, weight) pairs; weights need not sum to 1.
+  text_weight: weight of plain language-model rows (windows of the `text`
+    stream given to `mixture_batch`; loss on every token).
+  seq_len: T; each row is T + 1 tokens, as `kvjax.data.train_batch`'s.
+  batch_size: B.
+  prompt_loss: also take the loss on every prompt token of a task row
+    (plain next-byte prediction over the filler and needles), not only on
+    the answers. The repeated filler then rewards copying from earlier
+    context (induction), the skill retrieval needs; answer-only loss gives
+    A + 1 supervised tokens per row.
+  """
+
+  tasks: tuple[tuple[str, float], ...]
+  seq_len: int = 256
+  batch_size: int = 16
+  text_weight: float = 0.0
+  prompt_loss: bool = False
+
+  def __post_init__(self):
+    if not self.tasks and not self.text_weight:
+      raise ValueError("a mixture needs tasks or text_weight > 0")
+    for name, weight in self.tasks:
+      spec = get_task(name)
+      if weight < 0:
+        raise ValueError(f"weight of task {name!r} must be >= 0, got {weight}")
+      prompt = self.seq_len - spec.answer_length
+      if prompt < min_length(spec):
+        raise ValueError(
+            f"seq_len={self.seq_len} leaves {prompt} prompt tokens, below "
+            f"the minimum {min_length(spec)} of task {name!r}")
+    if self.text_weight < 0:
+      raise ValueError(f"text_weight must be >= 0, got {self.text_weight}")
+    if self.batch_size < 1:
+      raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+    if sum(w for _, w in self.tasks) + self.text_weight <= 0:
+      raise ValueError("mixture weights sum to 0")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TrainBatch:
+  """inputs int32 [B, T]; targets int32 [B, T], PAD where no loss is taken
+  (so `kvjax.train.token_nll` applies the loss mask); kinds [B] the row's
+  task name ('text' for plain rows)."""
+
+  inputs: np.ndarray
+  targets: np.ndarray
+  kinds: tuple[str, ...]
+
+  @property
+  def loss_mask(self) -> np.ndarray:
+    return self.targets != data.PAD
+
+
+def training_row(example: Example, prompt_loss: bool = False
+                 ) -> tuple[np.ndarray, np.ndarray]:
+  """(inputs [T], targets [T]) of one example: the row is prompt ++ answer
+  ++ EOS; the loss is on the answer bytes, the EOS after them and the
+  example's `prompt_targets` (MQAR's answered queries), or with
+  `prompt_loss` on every token after BOS."""
+  row = np.concatenate([example.tokens, example.answer,
+                        np.array([data.EOS], np.int32)])
+  prompt = (np.ones(example.tokens.shape, bool) if prompt_loss
+            else example.prompt_targets)
+  supervised = np.concatenate([prompt,
+                               np.ones(example.answer.shape[0] + 1, bool)])
+  targets = np.where(supervised[1:], row[1:], data.PAD)
+  return row[:-1].astype(np.int32), targets.astype(np.int32)
+
+
+def mixture_batch(mixture: Mixture, *, seed: int, step: int,
+                  haystack: np.ndarray | None = None,
+                  text: np.ndarray | None = None) -> TrainBatch:
+  """The training batch of one step: a pure function of (mixture, seed,
+  step, haystack, text), as `kvjax.data.train_batch`, so a resumed run sees
+  the batches an uninterrupted one would.
+
+  Each row draws its kind by weight, then a uniform depth in [0, 1] and an
+  example seed; a task row's prompt is T - A tokens (A its answer length),
+  so prompt, answer and EOS make exactly T + 1.
+
+  Args:
+    haystack: byte stream for 'text' fillers (None: noise).
+    text: token stream for plain rows (needed iff text_weight > 0).
+  Returns:
+    TrainBatch with inputs/targets [B, T].
+  """
+  if seed < 0 or step < 0:
+    raise ValueError(f"seed and step must be non-negative, got {seed}, {step}")
+  names = [n for n, _ in mixture.tasks] + (["text"] if mixture.text_weight
+                                           else [])
+  weights = np.array([w for _, w in mixture.tasks] +
+                     ([mixture.text_weight] if mixture.text_weight else []),
+                     np.float64)
+  if mixture.text_weight and text is None:
+    raise ValueError("text_weight > 0 needs a text stream")
+  rng = np.random.default_rng([int(seed), int(step)])
+  T, B = mixture.seq_len, mixture.batch_size
+  inputs = np.zeros((B, T), np.int32)
+  targets = np.zeros((B, T), np.int32)
+  kinds = []
+  for b in range(B):
+    kind = names[int(rng.choice(len(names), p=weights / weights.sum()))]
+    kinds.append(kind)
+    if kind == "text":
+      start = int(rng.integers(0, text.shape[0] - T))
+      window = np.asarray(text[start:start + T + 1], np.int32)
+      inputs[b], targets[b] = window[:-1], window[1:]
+      continue
+    spec = get_task(kind)
+    ex = generate(kind, T - spec.answer_length, float(rng.uniform()),
+                  int(rng.integers(0, 2 ** 31)), haystack)
+    inputs[b], targets[b] = training_row(ex, mixture.prompt_loss)
+  return TrainBatch(inputs=inputs, targets=targets, kinds=tuple(kinds))
+
+
+def mixture_from_dict(d: Mapping) -> Mixture:
+  """A Mixture from a config's `tasks` section: {'names': [...], 'weights':
+  [...], 'seq_len', 'batch_size', 'text_weight', 'prompt_loss'}."""
+  names, weights = list(d["names"]), list(d["weights"])
+  if len(names) != len(weights):
+    raise ValueError(f"tasks.names has {len(names)} entries, tasks.weights "
+                     f"{len(weights)}")
+  return Mixture(tasks=tuple(zip(names, (float(w) for w in weights))),
+                 seq_len=int(d["seq_len"]), batch_size=int(d["batch_size"]),
+                 text_weight=float(d.get("text_weight", 0.0)),
+                 prompt_loss=bool(d.get("prompt_loss", False)))
+
+
+# ----------------------------------------------------------------------------
+# Training a task model on a mixture.
+#
+# `kvjax.train.fit` draws its batches from `kvjax.data.train_batch` and takes
+# the loss on every non-PAD target of one [B, T+1] array, so it cannot carry
+# a loss mask that differs from the inputs. Until it takes a batch function
+# (the hook: `fit(..., batch_fn=lambda step: (inputs, targets))`, with
+# `train_step` / `eval_step` taking the pair), the loop below reuses its
+# optimiser, state, loss and checkpoint layout, so `kvjax.train.
+# restore_params(workdir)` loads a task model like any other.
+
+EVAL_SEED_OFFSET = 1_000_003  # evaluation rows come from another seed
+
+
+def _train_lib():
+  # Imported here: training pulls in optax and orbax, which generating and
+  # scoring examples never need.
+  from kvjax import train  # pylint: disable=g-import-not-at-top
+  return train
+
+
+def _masked_step_fns():
+  import functools  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+  train = _train_lib()
+
+  @functools.partial(jax.jit, donate_argnums=0)
+  def step_fn(state, inputs_BT, targets_BT):
+    def loss_fn(params):
+      nll, count = train.token_nll(state.logits_fn(params, inputs_BT),
+                                   targets_BT)
+      return nll / jnp.maximum(count, 1.0)
+
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
+    new = state.replace(step=state.step + 1,
+                        params=optax.apply_updates(state.params, updates),
+                        opt_state=opt_state)
+    return new, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+
+  @jax.jit
+  def eval_fn(state, inputs_BT, targets_BT):
+    logits_BTV = state.logits_fn(state.params, inputs_BT)
+    nll, count = train.token_nll(logits_BTV, targets_BT)
+    mask_BT = targets_BT != data.PAD
+    hit_BT = (jnp.argmax(logits_BTV, axis=-1) == targets_BT) & mask_BT
+    row_exact_B = jnp.all(hit_BT | ~mask_BT, axis=-1)
+    return nll, count, jnp.sum(hit_BT), jnp.sum(row_exact_B)
+
+  return step_fn, eval_fn
+
+
+def evaluate_mixture(state, eval_fn, batches: Sequence[TrainBatch]) -> dict:
+  """Teacher-forced metrics on fixed batches: loss (nats per supervised
+  target), token_accuracy (argmax == target), row_exact (every supervised
+  target of a row is the argmax: answer bytes, EOS, MQAR's answered
+  queries)."""
+  nll = count = hits = rows = 0.0
+  for b in batches:
+    n, c, h, r = (float(x) for x in eval_fn(state, b.inputs, b.targets))
+    nll, count, hits, rows = nll + n, count + c, hits + h, rows + r
+  loss = nll / max(count, 1.0)
+  return {"loss": loss, "bits_per_byte": loss / math.log(2),
+          "token_accuracy": hits / max(count, 1.0),
+          "row_exact": rows / sum(b.inputs.shape[0] for b in batches),
+          "targets": count}
+
+
+def train_task_model(model_config, train_config, mixture: Mixture,
+                     workdir, *, haystack: np.ndarray | None = None,
+                     text: np.ndarray | None = None) -> dict:
+  """Trains a kvjax model on `mixture` (loss on answers only), resuming
+  from `workdir` when it holds a checkpoint.
+
+  Args:
+    model_config: `kvjax.ModelConfig` (vocab_size must be 259).
+    train_config: `kvjax.train.TrainConfig`; its seq_len and batch_size
+      must equal the mixture's.
+    mixture: what the batches hold (`mixture_batch(seed=train_config.seed,
+      step=i)` for update i).
+    workdir: checkpoints (kvjax.train's layout), metrics.jsonl, loss.png,
+      config.json, final.json.
+  Returns:
+    The final validation record (`evaluate_mixture` on `eval_batches`
+    batches drawn with seed + EVAL_SEED_OFFSET), plus wall_s.
+  """
+  import json  # pylint: disable=g-import-not-at-top
+  import pathlib  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import kvjax  # pylint: disable=g-import-not-at-top
+  train = _train_lib()
+  if model_config.vocab_size != data.VOCAB_SIZE:
+    raise ValueError(f"model vocab_size={model_config.vocab_size}, byte "
+                     f"tasks need {data.VOCAB_SIZE}")
+  if (train_config.seq_len, train_config.batch_size) != (
+      mixture.seq_len, mixture.batch_size):
+    raise ValueError(
+        f"train seq_len/batch_size ({train_config.seq_len}, "
+        f"{train_config.batch_size}) differ from the mixture's "
+        f"({mixture.seq_len}, {mixture.batch_size})")
+  train.quiet_orbax_logs()
+  workdir = pathlib.Path(workdir)
+  workdir.mkdir(parents=True, exist_ok=True)
+  model_dict = model_config.to_dict()
+  with open(workdir / train.CONFIG_FILE, "w") as f:
+    json.dump({"model": model_dict,
+               "train": dataclasses.asdict(train_config),
+               "tasks": dataclasses.asdict(mixture)}, f, indent=2)
+  step_fn, eval_fn = _masked_step_fns()
+  params = jax.jit(kvjax.init_params, static_argnums=0)(
+      model_config, jax.random.key(train_config.seed))
+  state = train.create_train_state(params, train.model_logits_fn(model_config),
+                                   train.make_optimizer(train_config))
+  manager = train.checkpoint_manager(workdir, keep=train_config.keep_checkpoints)
+  latest = manager.latest_step()
+  if latest is not None:
+    state = train.restore_train_state(manager, latest, state, model_dict)
+    logging.info("resumed from %s at step %d", manager.directory, latest)
+  metrics_path = workdir / train.METRICS_FILE
+  train._truncate_metrics(metrics_path, int(state.step))  # pylint: disable=protected-access
+  # Validation scores the answers only, whatever the training loss covers.
+  answers_only = dataclasses.replace(mixture, prompt_loss=False)
+  eval_set = [mixture_batch(answers_only,
+                            seed=train_config.seed + EVAL_SEED_OFFSET,
+                            step=k, haystack=haystack, text=text)
+              for k in range(train_config.eval_batches)]
+  logging.info("task model %s: %d parameters; mixture %s", model_config.variant,
+               kvjax.param_count(model_config), mixture.tasks)
+
+  def record(r):
+    with open(metrics_path, "a") as f:
+      f.write(json.dumps(r) + "\n")
+
+  schedule = train.learning_rate_schedule(train_config)
+  start, pending, final = time.perf_counter(), [], None
+  for i in range(int(state.step), train_config.num_steps):
+    b = mixture_batch(mixture, seed=train_config.seed, step=i,
+                      haystack=haystack, text=text)
+    state, m = step_fn(state, b.inputs, b.targets)
+    pending.append(m)
+    step = i + 1
+    if step % train_config.log_every == 0:
+      fetched = jax.device_get(pending)
+      loss = float(np.mean([x["loss"] for x in fetched]))
+      record({"step": step, "split": "train", "loss": loss,
+              "bits_per_byte": loss / math.log(2),
+              "grad_norm": float(fetched[-1]["grad_norm"]),
+              "lr": float(schedule(i)),
+              "elapsed_s": time.perf_counter() - start})
+      logging.info("step %d/%d  loss %.4f  |g| %.2f  (%.0f s)", step,
+                   train_config.num_steps, loss, fetched[-1]["grad_norm"],
+                   time.perf_counter() - start)
+      pending = []
+    if step % train_config.eval_every == 0 or step == train_config.num_steps:
+      final = {"step": step, "split": "validation",
+               **evaluate_mixture(state, eval_fn, eval_set)}
+      record(final)
+      logging.info("step %d  validation answer loss %.4f  token acc %.3f  "
+                   "row exact %.3f", step, final["loss"],
+                   final["token_accuracy"], final["row_exact"])
+      train.plot_metrics(metrics_path, workdir / train.PLOT_FILE)
+    if (step % train_config.checkpoint_every == 0 or
+        step == train_config.num_steps):
+      train.save_checkpoint(manager, state, model_dict)
+  if final is None:
+    final = {"step": int(state.step), "split": "validation",
+             **evaluate_mixture(state, eval_fn, eval_set)}
+  manager.close()
+  final["wall_s"] = time.perf_counter() - start
+  with open(workdir / "final.json", "w") as f:
+    json.dump(final, f, indent=2)
+  return final
+
+
+def _main(argv):
+  """python -m kvjax.tasks --config=configs/tasks.py:gqa-passkey
+  --workdir=DIR: trains a task model (`train_task_model`)."""
+  if len(argv) > 1:
+    raise ValueError(f"unexpected arguments: {argv[1:]}")
+  from kvjax import configs  # pylint: disable=g-import-not-at-top
+  cfg = flags.FLAGS.config
+  train = _train_lib()
+  train_config = train.TrainConfig.from_dict(cfg.train.to_dict())
+  mixture = mixture_from_dict(dict(cfg.tasks.to_dict(),
+                                   seq_len=train_config.seq_len,
+                                   batch_size=train_config.batch_size))
+  needs_text = cfg.tasks.text_weight > 0 or any(
+      getattr(get_task(n), "filler", None) == "text" for n in cfg.tasks.names)
+  haystack = (load_haystack("train", train_config.data_dir)
+              if needs_text else None)
+  text = None
+  if cfg.tasks.text_weight > 0:
+    if haystack is None:
+      raise data.CorpusNotFoundError(
+          f"text_weight={cfg.tasks.text_weight} needs the Austen corpus: "
+          f"{data.INSTALL_COMMAND}")
+    text = data.austen_streams(train_config.data_dir).train
+  final = train_task_model(configs.model_config(cfg.model), train_config,
+                           mixture, flags.FLAGS.workdir, haystack=haystack,
+                           text=text)
+  logging.info("done: %s", final)
+
+
+if __name__ == "__main__":
+  from absl import app  # pylint: disable=g-import-not-at-top
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
+  config_flags.DEFINE_config_file("config", "configs/tasks.py",
+                                  "Task-model training config.",
+                                  lock_config=True)
+  flags.DEFINE_string("workdir", None, "Output directory.", required=True)
+  app.run(_main)
