@@ -30,7 +30,6 @@ appended to <mode>.jsonl in --workdir, so a stopped run keeps what it
 measured; <mode>.json (and the plot) are written when the mode finishes.
 """
 
-import contextlib
 import json
 import os
 
@@ -108,12 +107,6 @@ _SWEEP_CONTEXTS = cli.DEFINE_int_list(
     "Context lengths of the sweep.", lower_bound=0)
 _SWEEP_BATCHES = cli.DEFINE_int_list("sweep_batches", [1, 8],
                                      "Batches of the sweep.", lower_bound=1)
-_LAYERS = flags.DEFINE_enum(
-    "layers", "packed", list(packed.LAYOUTS),
-    "Params layout (kvjax.packed.layout): 'scan' (stacked weights; compile "
-    "time independent of depth), 'unrolled' (kvjax.model.unstack_layers: "
-    "weights read in place; compile time grows with depth) or 'packed' "
-    "(unrolled, fused [out, in] projections: fastest decode on CPU).")
 _SWEEP_DTYPES = cli.DEFINE_choice_list(
     "sweep_dtypes", list(KV_DTYPES), bm.CACHE_KINDS,
     "Cache kinds of the sweep: kv dtypes (float32, bfloat16, float16, int8) "
@@ -129,10 +122,10 @@ def _variant_config(variant: str, **overrides) -> kvjax.ModelConfig:
       dict(model_presets.model_dict(variant, _size()), **overrides))
 
 
-def _params(config, layers=None):
-  params = kvjax.init_params(config, jax.random.key(0))
-  return jax.block_until_ready(
-      packed.layout(params, config, layers or _LAYERS.value))
+def _params(config):
+  """Params as `init_params` returns them: the inference entry points lay
+  them out for decode themselves (`kvjax.packed.for_decode`)."""
+  return jax.block_until_ready(kvjax.init_params(config, jax.random.key(0)))
 
 
 def _prompt(config, batch, length):
@@ -161,7 +154,6 @@ def _save(name: str, result, plot=None):
   """Writes <name>.json (and <name>.png with `plot(result, path)`)."""
   os.makedirs(_WORKDIR.value, exist_ok=True)
   path = os.path.join(_WORKDIR.value, f"{name}.json")
-  result = dict(result, layers=_LAYERS.value)
   with open(path, "w") as f:
     json.dump(result, f, indent=1, default=float)
   written = [path]
@@ -347,16 +339,20 @@ def probe_machine():
   return limits
 
 
-def compile_times(config, batch, length, layers):
+LAYOUTS = ("canonical", "packed")
+
+
+def compile_times(config, batch, length, layout):
   """Prefill and decode compile seconds at depth L and 2L (no allocation:
-  the programs are lowered from shapes)."""
+  the programs are lowered from shapes) for the canonical params (the layer
+  scan) or the decode layout (`kvjax.pack`: layers unrolled)."""
   out = {}
   for depth in (config.num_layers, 2 * config.num_layers):
     c = config.replace(num_layers=depth)
     params = jax.eval_shape(lambda c=c: kvjax.init_params(c,
                                                           jax.random.key(0)))
-    params = jax.eval_shape(
-        lambda p, c=c: packed.layout(p, c, layers), params)
+    if layout == "packed":
+      params = jax.eval_shape(lambda p, c=c: packed.pack(p, c), params)
     cache = jax.eval_shape(lambda c=c: kvjax.init_cache(c, batch, 2 * length))
     tok = jax.ShapeDtypeStruct((batch, length), jnp.int32)
     mask = jax.ShapeDtypeStruct((batch, length), jnp.bool_)
@@ -376,7 +372,7 @@ def run_roofline():
   peak = limits["matmul_f32"]["flops_per_s"]
   T, PB = _PROMPT.value, _PREFILL_BATCH.value
   out = dict(size=_size(), limits=limits, machine=bm.machine_info(),
-             layers=_LAYERS.value, variants={})
+             variants={})
   variant_rows = _variant_rows()
   report = _Partial("roofline", len(variant_rows))
   for label, config in variant_rows:
@@ -396,13 +392,13 @@ def run_roofline():
                prefill_flops_per_s=achieved_flops,
                prefill_fraction_of_peak=achieved_flops / peak,
                compile={lay: compile_times(config, 1, T, lay)
-                        for lay in ("scan", "unrolled")})
+                        for lay in LAYOUTS})
     out["variants"][label] = row
     report(dict(variant=label, **row), (
         "%-13s decode b1@%d: %.2f ms, %.1f MB/step -> %.1f GB/s = %.0f%% of "
         "read, %.0f%% of matvec | prefill %dx%d: %.1f ms, %.1f GFLOP -> %.0f "
-        "GFLOP/s = %.0f%% of peak | compile prefill/decode, scan L=%d: "
-        "%.1f/%.1f s, 2L: %.1f/%.1f s; unrolled L: %.1f/%.1f s, 2L: "
+        "GFLOP/s = %.0f%% of peak | compile prefill/decode, canonical L=%d: "
+        "%.1f/%.1f s, 2L: %.1f/%.1f s; packed L: %.1f/%.1f s, 2L: "
         "%.1f/%.1f s") % (
             label, T, 1e3 * dec["step_s"], need["total"] / 1e6,
             achieved_bw / 1e9, 100 * row["decode_fraction_of_read"],
@@ -411,7 +407,7 @@ def run_roofline():
             achieved_flops / 1e9, 100 * row["prefill_fraction_of_peak"],
             config.num_layers,
             *[row["compile"][lay][d][k]["total_s"]
-              for lay in ("scan", "unrolled")
+              for lay in LAYOUTS
               for d in sorted(row["compile"][lay])
               for k in ("prefill", "decode")]))
     del params
@@ -542,11 +538,7 @@ def main(argv):
   print("preset %s: %s, %.1fM params; machine %s" % (
       _CONFIG.value.preset, config.variant, kvjax.param_count(config) / 1e6,
       bm.machine_info()), flush=True)
-  # --layers=scan: keep the layer scan (the inference calls would
-  # otherwise pack wide params themselves, kvjax.packed.for_decode).
-  with (packed.as_given() if _LAYERS.value == "scan" else
-        contextlib.nullcontext()):
-    _run_modes(config, modes)
+  _run_modes(config, modes)
 
 
 def _run_modes(config, modes):

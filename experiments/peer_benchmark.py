@@ -8,11 +8,10 @@ saves it as safetensors, loads the same weights into kvjax with
 `kvjax.load_checkpoint`, checks that both give the same prefill logits and
 greedy tokens, then times both alternately in one run (kvjax generate,
 kvjax prefill, transformers generate, transformers prefill, repeated; warm-up
-excluded; medians) at every batch, for every kvjax params layout in
---layouts: 'loaded' (the params as `load_checkpoint` returns them: what a
-user gets, `generate` packs them itself where that is faster,
-`kvjax.packed.for_decode`), 'scan' (the canonical layer scan, kept as
-given), 'unrolled' and 'packed' (`kvjax.pack` called by hand). Decode tokens/s =
+excluded; medians) at every batch, on the params as `load_checkpoint`
+returns them ('loaded': what a user gets; `generate` lays them out for
+decode itself, `kvjax.packed.for_decode`). What the decode layout buys over
+the canonical one is experiments/decode_layout.py's question. Decode tokens/s =
 B·(new − 1) / (t_generate − t_prefill), the same definition for both;
 prefill = a generate of one token. The headline ratio is the ratio of the
 medians; the ratios of the rounds (each round's kvjax and transformers
@@ -26,7 +25,6 @@ transformers and torch are optional (`pip install -e .[bench]`); without
 them the script exits with a one-line message saying so.
 """
 
-import contextlib
 import json
 import os
 import tempfile
@@ -45,7 +43,6 @@ from kvjax import benchmarking as bm  # pylint: disable=g-import-not-at-top
 from kvjax import cli  # pylint: disable=g-import-not-at-top
 from kvjax import configs as cfg_lib  # pylint: disable=g-import-not-at-top
 from kvjax import inference  # pylint: disable=g-import-not-at-top
-from kvjax import packed  # pylint: disable=g-import-not-at-top
 from kvjax import tolerance  # pylint: disable=g-import-not-at-top
 from configs import model as model_presets  # pylint: disable=g-import-not-at-top
 
@@ -64,11 +61,6 @@ _NEW = flags.DEFINE_integer(
     "prefill).", lower_bound=2)
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed rounds (medians).",
                                 lower_bound=1)
-PEER_LAYOUTS = ("loaded",) + packed.LAYOUTS
-_LAYOUTS = cli.DEFINE_choice_list(
-    "layouts", ["loaded"], PEER_LAYOUTS,
-    f"kvjax params layouts to time (of {', '.join(PEER_LAYOUTS)}); fewer "
-    "layouts leave time for more rounds.")
 _CHECK_TOKENS = flags.DEFINE_integer(
     "check_tokens", 32, "Greedy tokens compared between the two (batch 1).",
     lower_bound=1)
@@ -180,17 +172,11 @@ def main(argv):
   with tempfile.TemporaryDirectory() as tmp:
     hf_model.save_pretrained(tmp, safe_serialization=True)
     kv_config, params = kvjax.load_checkpoint(tmp)
-  # Every params layout asked for, timed side by side.
-  layouts = {name: params if name == "loaded" else jax.block_until_ready(
-      packed.layout(params, kv_config, name)) for name in _LAYOUTS.value}
+  # The params as loaded: the only kvjax contender (one row name, "loaded").
+  layouts = {"loaded": params}
 
   def kv_generate(lay, *args, **kwargs):
-    """generate on layout `lay`'s params; 'scan' and 'unrolled' kept as
-    given (not packed inside generate)."""
-    keep = packed.as_given() if lay in ("scan", "unrolled") else (
-        contextlib.nullcontext())
-    with keep:
-      return kvjax.generate(layouts[lay], kv_config, *args, **kwargs)
+    return kvjax.generate(layouts[lay], kv_config, *args, **kwargs)
 
   logging.info("preset %s: %.1fM params; torch %s (%d threads, "
                "OMP_WAIT_POLICY=%s), transformers %s, attn %s",

@@ -106,10 +106,15 @@ def time_fn(fn: Callable[[], Any], *, warmup: int = 1,
 
 def time_alternating(fns: Mapping[str, Callable[[], Any]], *, warmup: int = 1,
                      repeats: int = 5) -> dict[str, Timing]:
-  """Times several functions interleaved: A B C A B C ... (warm-up first).
+  """Times several functions interleaved, the order rotated every round:
+  A B C, B C A, C A B, ... (warm-up first).
 
   On a machine shared with other work the load drifts; interleaving exposes
   every candidate to the same drift, so the ratio of medians is fair.
+  Rotating the order stops one candidate from always running right after
+  the same other one (whose caches, threads or allocator state it would
+  inherit: a torch model timed before kvjax in every round made the kvjax
+  contender that followed it consistently slower).
   """
   _check_counts(warmup, repeats)
   if not fns:
@@ -117,11 +122,12 @@ def time_alternating(fns: Mapping[str, Callable[[], Any]], *, warmup: int = 1,
   for _ in range(warmup):
     for fn in fns.values():
       jax.block_until_ready(fn())
-  out = {name: [] for name in fns}
-  for _ in range(repeats):
-    for name, fn in fns.items():
+  names = list(fns)
+  out = {name: [] for name in names}
+  for r in range(repeats):
+    for name in names[r % len(names):] + names[:r % len(names)]:
       t0 = time.perf_counter()
-      jax.block_until_ready(fn())
+      jax.block_until_ready(fns[name]())
       out[name].append(time.perf_counter() - t0)
   return {name: Timing(tuple(ts)) for name, ts in out.items()}
 

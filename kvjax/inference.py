@@ -534,8 +534,9 @@ def generate(params, config: ModelConfig, tokens, max_new_tokens: int, *,
       its attended prefix into per-layer arrays with keys transposed in
       blocks of 64 slots (`kvjax.blocked`) and back after it; same tokens
       and logits, faster batched decode on CPU (WORKSPACE.md). It needs the
-      segments, attention 'gqa', a float kv_dtype and unrolled layer params
-      (layouts 'unrolled' / 'packed'); a segment whose prefix is not a
+      segments, attention 'gqa', a float kv_dtype and the decode params
+      layout (`kvjax.pack`, which `generate` applies itself on CPU from
+      embed_dim 256 on); a segment whose prefix is not a
       multiple of 64 slots reads the stacked cache. While a segment runs
       its blocked copy is held beside the cache (up to one cache of
       temporaries). 'auto' (default): 'blocked' where it can run, the batch

@@ -185,9 +185,14 @@ def check_params(params, config: ModelConfig) -> None:
     raise ValueError("params must be floating point; these leaves are not: "
                      + ", ".join(not_float))
   packed = packed_lib.is_packed(params)
+  if not packed and any(isinstance(params.get(n), (list, tuple))
+                        for n in ("layers", "moe_layers")):
+    raise ValueError(
+        "params hold a tuple of per-layer dicts of canonical weights, which "
+        "is not a layout kvjax runs: pass the stacked params (init_params, "
+        "load_checkpoint) or their decode layout (kvjax.pack)")
   expected = _expected_param_shapes(config, packed)
-  leaves, _ = jax.tree_util.tree_flatten_with_path(
-      params if packed else _stacked_view(params))
+  leaves, _ = jax.tree_util.tree_flatten_with_path(params)
   got = {jax.tree_util.keystr(path): tuple(np.shape(leaf))
          for path, leaf in leaves}
   missing = sorted(set(expected) - set(got))
@@ -232,50 +237,9 @@ def block(p, x_BTD, step: Step, cache, layer, config: ModelConfig):
   return x_BTD, cache
 
 
-def unstack_layers(params):
-  """The same params with every layer stack split into a tuple of per-layer
-  dicts (copies the weights once; drop the stacked params afterwards).
-
-  Why: inside the layer scan, XLA on CPU materialises each layer's slice of
-  a stacked [L, ...] weight (a dynamic slice feeding a dot is a copy), so a
-  decode step reads most weights three times (read, write, read). Per-layer
-  arrays are read in place. `run_layers` unrolls a tuple stack: faster
-  decode, but compile time grows with depth (the scan's does not); see
-  WORKSPACE.md for the measurements. Every public function accepts both
-  layouts; results are equal.
-  """
-  out = dict(params)
-  for name in ("layers", "moe_layers"):
-    stack = params.get(name)
-    if stack is None or isinstance(stack, (list, tuple)):
-      continue
-    depth = jax.tree_util.tree_leaves(stack)[0].shape[0]
-    out[name] = tuple(jax.tree_util.tree_map(lambda w, i=i: w[i], stack)
-                      for i in range(depth))
-  return out
-
-
-def _stacked_view(params):
-  """Shapes of params with tuple layer stacks seen as stacked [L, ...]
-  (for validation; raises ValueError if the layers differ in shapes)."""
-  out = dict(params)
-  for name in ("layers", "moe_layers"):
-    stack = params.get(name)
-    if not isinstance(stack, (list, tuple)):
-      continue
-    shapes = [jax.tree_util.tree_map(np.shape, p) for p in stack]
-    if not stack or any(s != shapes[0] for s in shapes):
-      raise ValueError(f"params[{name!r}]: an unstacked layer list must be "
-                       "non-empty with identical layer shapes")
-    out[name] = jax.tree_util.tree_map(
-        lambda w, n=len(stack): jax.ShapeDtypeStruct((n,) + np.shape(w),
-                                                     jnp.float32), stack[0])
-  return out
-
-
 def run_layers(params, x_BTD, step: Step, cache, config: ModelConfig):
-  """Scans every layer stack over (x, cache); a tuple stack (see
-  `unstack_layers`) is unrolled instead. Returns (x_BTD, new_cache)."""
+  """Scans every layer stack over (x, cache); a tuple stack (the decode
+  layout, `kvjax.packed`) is unrolled instead. Returns (x_BTD, new_cache)."""
 
   def body(carry, xs):
     x_BTD, cache = carry

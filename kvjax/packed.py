@@ -1,7 +1,7 @@
 """Packed decode params: fused projections, weights stored [out, in].
 
 `pack(params, config)` returns the same model laid out for memory-bound
-decode: layers unrolled into a tuple (`model.unstack_layers`), q/k/v fused
+decode: layers unrolled into a tuple (`_unstack_layers`), q/k/v fused
 into one weight and gate/up into another (one product reads one contiguous
 array: fewer, larger dots), and every fused dense weight stored [out, in]
 and applied by `layers.linear_t`. Values are unchanged (tests: logits and
@@ -109,6 +109,25 @@ def _pack_mlp(p_mlp):
   return out
 
 
+def _unstack_layers(params):
+  """The params with every layer stack split into a tuple of per-layer
+  dicts (copies the weights once).
+
+  Why: inside the layer scan, XLA on CPU materialises each layer's slice of
+  a stacked [L, ...] weight (a dynamic slice feeding a dot is a copy), so a
+  decode step reads most weights three times (read, write, read). Per-layer
+  arrays are read in place; `model.run_layers` unrolls a tuple stack
+  (compile time then grows with depth; WORKSPACE.md).
+  """
+  out = dict(params)
+  for name in _layer_stacks(params):
+    stack = params[name]
+    depth = jax.tree_util.tree_leaves(stack)[0].shape[0]
+    out[name] = tuple(jax.tree_util.tree_map(lambda w, i=i: w[i], stack)
+                      for i in range(depth))
+  return out
+
+
 def pack(params, config: ModelConfig):
   """The packed decode layout of canonical `params` (see the module
   docstring). Copies every packed weight once (eagerly, outside jit: drop
@@ -121,7 +140,7 @@ def pack(params, config: ModelConfig):
   if is_packed(params):
     raise ValueError("params are already packed (kvjax.packed.pack)")
   model.check_params(params, config)
-  out = dict(model.unstack_layers(params))
+  out = _unstack_layers(params)
   for name in _layer_stacks(out):
     out[name] = tuple(
         dict(p, attn=_pack_attention(p["attn"], config),
@@ -131,27 +150,6 @@ def pack(params, config: ModelConfig):
     out["lm_head_t"] = out.pop("lm_head").T
   # Eager transposes are new row-major arrays: decode reads them in place.
   return out
-
-
-LAYOUTS = ("scan", "unrolled", "packed")
-
-
-def layout(params, config: ModelConfig, name: str):
-  """Canonical `params` in one of the `LAYOUTS`: 'scan' (as given: stacked
-  layers run by `lax.scan`, compile time independent of depth), 'unrolled'
-  (`model.unstack_layers`) or 'packed' (`pack`). Same values in all three.
-
-  Raises:
-    ValueError: an unknown layout name.
-  """
-  from kvjax import model  # pylint: disable=g-import-not-at-top
-  if name not in LAYOUTS:
-    raise ValueError(f"layout={name!r}: expected one of {LAYOUTS}")
-  if name == "unrolled":
-    return model.unstack_layers(params)
-  if name == "packed":
-    return pack(params, config)
-  return params
 
 
 # ---- the decode seam ---------------------------------------------------------
@@ -189,9 +187,6 @@ def packs(params, config: ModelConfig) -> bool:
   PACK_MIN_WIDTH."""
   if _AS_GIVEN[-1] or is_packed(params):
     return False
-  if any(isinstance(params.get(n), (list, tuple)) for n in _layer_stacks(
-      params)):
-    return False  # unrolled layers: a layout chosen by hand
   leaves = jax.tree_util.tree_leaves(params)
   if any(isinstance(x, jax.core.Tracer) for x in leaves):
     return False

@@ -175,9 +175,9 @@ def _is_axes(x) -> bool:
 def param_axes(params) -> Any:
   """Logical axes of every leaf of a params pytree (arrays or
   ShapeDtypeStructs): `PARAM_AXES`, with a leading `layers` axis inside the
-  stacked layer stacks (none for the per-layer tuples of
-  `model.unstack_layers`). Leaves the table does not know (e.g. MoE experts) are
-  replicated (all None).
+  stacked layer stacks (none for the per-layer tuples of the decode
+  layout, `kvjax.pack`). Leaves the table does not know (e.g. MoE experts)
+  are replicated (all None).
 
   Raises:
     ValueError: a known leaf whose rank differs from its logical axes.
@@ -188,7 +188,7 @@ def param_axes(params) -> Any:
     if path and getattr(path[0], "key", None) in LAYER_STACKS:
       path = path[1:]
       if path and isinstance(path[0], jax.tree_util.SequenceKey):
-        path = path[1:]  # `model.unstack_layers`: one dict per layer
+        path = path[1:]  # the decode layout (`kvjax.pack`): one dict per layer
       else:
         lead = ("layers",)
     keys = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]

@@ -11,6 +11,9 @@ devices, so it checks the same thing on a GPU machine.
     JAX_COORDINATOR_ADDRESS=localhost:12355 JAX_NUM_PROCESSES=2 \
     JAX_PROCESS_ID=$i python tests/sharded_check.py --mode=multihost & done
 
+  python tests/sharded_check.py --mode=check --devices=2 --meshes=2x1,1x2 \
+      --variants=gqa,mla --noextras              # the fast tier's 2 devices
+
 check: for every mesh shape in --meshes and every variant (tiny preset with
 the head counts doubled, so the model axis 8 divides N): sharded `generate`
 equals single-device `generate` token for token and logits within
@@ -31,9 +34,21 @@ decode step, and the median decode-step time.
 import os
 import sys
 
-# 8 devices in all: split over the processes of a multi-process run.
+
+
+def _devices_from_argv(default=8):
+  """--devices, read before JAX starts (it fixes the device count)."""
+  for arg in sys.argv[1:]:
+    if arg.startswith("--devices="):
+      return int(arg.partition("=")[2])
+  return default
+
+
+# --devices in all (8 by default): split over the processes of a
+# multi-process run.
+DEVICES = _devices_from_argv()
 _PROCESSES = int(os.environ.get("JAX_NUM_PROCESSES", "1"))
-_FLAGS = [f"--xla_force_host_platform_device_count={8 // _PROCESSES}"]
+_FLAGS = [f"--xla_force_host_platform_device_count={DEVICES // _PROCESSES}"]
 if "--mode=measure" not in sys.argv:
   # The checks compare programs with each other, not speed: skip LLVM's
   # optimizations (halves compile time; measured).
@@ -56,7 +71,6 @@ import numpy as np
 
 import kvjax
 from kvjax import inference
-from kvjax import model as kvjax_model
 from kvjax import packed as kvjax_packed
 from kvjax import sharding
 from configs import model as model_presets
@@ -74,10 +88,14 @@ _NEW = flags.DEFINE_integer("new_tokens", 8, "tokens generated per check")
 _CAPACITY = flags.DEFINE_integer("capacity", 2048, "measure: cache slots")
 _STEPS = flags.DEFINE_integer("steps", 30, "measure: timed decode steps")
 _OUT = flags.DEFINE_string("out", "", "measure: write the JSON here too")
-_COMPILE_CACHE = flags.DEFINE_bool("compile_cache", True,
-                                   "a temporary persistent compilation cache")
+_COMPILE_CACHE = flags.DEFINE_bool(
+    "compile_cache", True, "a persistent compilation cache: the one "
+    "JAX_COMPILATION_CACHE_DIR names (tests/conftest.py sets it), else a "
+    "temporary one")
+flags.DEFINE_integer("devices", 8, "simulated CPU devices (read from argv "
+                     "before JAX starts; a divisor of 8)")
 
-B = 8  # divisible by every data-axis size of an 8-device mesh
+B = 8  # divisible by every data-axis size of an 8- (or 2-) device mesh
 
 
 def config_for(variant: str) -> kvjax.ModelConfig:
@@ -155,9 +173,7 @@ def check_case(config, params, mesh_shape, ref, prompt, kv_fallback="seq",
   tokens, mask = prompt
   mesh = sharding.make_mesh(mesh_shape)
   p = sharding.plan(config, mesh, kv_fallback=kv_fallback)
-  if layout == "unstacked":
-    params = kvjax_model.unstack_layers(params)
-  elif layout == "packed":
+  if layout == "packed":
     params = kvjax_packed.pack(params, config)
   sp = p.put_params(params)
   t0 = time.perf_counter()
@@ -292,9 +308,6 @@ def run_check():
                                   prompt, kv_fallback="replicate")),
             flush=True)
     if variant == "mha":
-      # Per-layer weights (model.unstack_layers) shard by the same table.
-      print(json.dumps(check_case(config, params, (2, 4), (toks, logits),
-                                  prompt, layout="unstacked")), flush=True)
       print(json.dumps(check_init_params(config, (2, 4))), flush=True)
     if variant == "gqa":
       # Sampling (threefry is partitionable: same key, same draws on any
@@ -414,12 +427,15 @@ def main(argv):
   jax.config.update("jax_numpy_rank_promotion", "raise")
   if _COMPILE_CACHE.value:
     # Inspecting the decode step's HLO recompiles it (`.lower().compile()`);
-    # a process-local persistent cache turns that into a lookup.
-    jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp())
+    # a persistent cache turns that into a lookup (and, when the tests name
+    # their cache, the whole check into lookups on the next run).
+    if not jax.config.jax_compilation_cache_dir:
+      jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp())
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-  if jax.device_count() != 8:
-    raise SystemExit(f"expected 8 devices, got {jax.device_count()}")
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+  if jax.device_count() != DEVICES or 8 % DEVICES:
+    raise SystemExit(f"expected {DEVICES} devices (a divisor of 8), got "
+                     f"{jax.device_count()}")
   if _MODE.value == "check":
     run_check()
   else:

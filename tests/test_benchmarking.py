@@ -20,6 +20,7 @@ from kvjax import inference
 from kvjax import model
 from kvjax.tolerance import assert_close
 from configs import model as model_presets
+import cases  # pylint: disable=g-bad-import-order
 
 VARIANTS = model_presets.VARIANTS
 
@@ -48,17 +49,18 @@ class TimingTest(parameterized.TestCase):
     self.assertLessEqual(t.min, t.median)
     self.assertLessEqual(t.median, t.max)
 
-  def test_alternating_interleaves_calls(self):
+  def test_alternating_interleaves_and_rotates_calls(self):
     order = []
     fns = {name: (lambda n=name: order.append(n) or jnp.zeros(()))
            for name in ("a", "b", "c")}
-    out = bm.time_alternating(fns, warmup=1, repeats=2)
-    self.assertEqual("".join(order), "abc" * 3)
+    out = bm.time_alternating(fns, warmup=1, repeats=4)
+    # Warm-up, then every round starts one later: no name always follows
+    # the same other one.
+    self.assertEqual("".join(order), "abc" + "abc" + "bca" + "cab" + "abc")
     self.assertEqual(sorted(out), ["a", "b", "c"])
-    self.assertTrue(all(len(t.seconds) == 2 for t in out.values()))
+    self.assertTrue(all(len(t.seconds) == 4 for t in out.values()))
 
-  @parameterized.parameters(dict(warmup=-1, repeats=1),
-                            dict(warmup=0, repeats=0))
+  @cases.named((dict(warmup=-1, repeats=1), dict(warmup=0, repeats=0)))
   def test_bad_counts_raise(self, warmup, repeats):
     with self.assertRaisesRegex(ValueError, "warmup|repeats"):
       bm.time_fn(lambda: jnp.zeros(()), warmup=warmup, repeats=repeats)
@@ -128,7 +130,9 @@ class ProbeTest(parameterized.TestCase):
 
 class ModelsTest(parameterized.TestCase):
 
-  @parameterized.product(variant=VARIANTS, kv_dtype=bm.CACHE_KINDS)
+  @cases.product(variant=VARIANTS, kv_dtype=bm.CACHE_KINDS,
+                 slow=lambda variant, kv_dtype: (
+                     variant not in cases.FAST_VARIANTS))
   def test_decode_bytes_match_real_arrays(self, variant, kv_dtype):
     config = tiny(variant)
     params = jax.eval_shape(lambda: kvjax.init_params(config,
@@ -156,7 +160,7 @@ class ModelsTest(parameterized.TestCase):
     self.assertEqual(bm.decode_weight_bytes(params, config),
                      bm.param_bytes(params))
 
-  @parameterized.parameters(*VARIANTS)
+  @cases.variants()
   def test_prefill_matmul_flops_count_every_weight_matrix(self, variant):
     config = tiny(variant)
     params = jax.eval_shape(lambda: kvjax.init_params(config,
@@ -198,7 +202,9 @@ class ModelsTest(parameterized.TestCase):
 
 class FilledCacheTest(parameterized.TestCase):
 
-  @parameterized.product(variant=("gqa", "mla"), kv_dtype=("float32", "int8"))
+  @cases.product(variant=("gqa", "mla"), kv_dtype=("float32", "int8"),
+                 slow=lambda variant, kv_dtype: (variant, kv_dtype) not in (
+                     ("gqa", "float32"), ("mla", "int8")))
   def test_filled_cache_holds_length_tokens(self, variant, kv_dtype):
     config = tiny(variant)
     policy = kvjax.CachePolicy(kv_dtype=kv_dtype)
@@ -226,35 +232,17 @@ KINDS = tuple({model_presets.model_dict(v, "tiny")["attention"]: v
 
 
 class LayerLayoutTest(chex.TestCase):
-  """`unstack_layers` (unrolled layer loop) computes what the scan does."""
+  """One canonical layout (stacked layers) and one decode layout (`pack`):
+  per-layer tuples of canonical weights are refused, by name."""
 
-  @parameterized.parameters(*KINDS)
-  def test_unstacked_generate_equals_stacked(self, variant):
-    config = tiny(variant).replace(init_scale=0.15)
-    params = kvjax.init_params(config, jax.random.key(0))
-    unstacked = model.unstack_layers(params)
-    self.assertIsInstance(unstacked["layers"], tuple)
-    self.assertLen(unstacked["layers"], config.num_layers)
-    chex.assert_trees_all_equal(unstacked["layers"][1],
-                                jax.tree_util.tree_map(lambda w: w[1],
-                                                       params["layers"]))
-    tokens = jax.random.randint(jax.random.key(1), (2, 7), 0,
-                                config.vocab_size)
-    ids, logits, cache = kvjax.generate(params, config, tokens, 5,
-                                        return_logits=True, return_cache=True)
-    ids_u, logits_u, cache_u = kvjax.generate(
-        unstacked, config, tokens, 5, return_logits=True, return_cache=True)
-    np.testing.assert_array_equal(ids_u, ids)
-    assert_close(logits_u, logits, config)
-    assert_close(cache_u, cache, config)
-
-  def test_bad_unstacked_params_raise(self):
+  def test_hand_unrolled_params_are_refused(self):
     config = tiny("gqa")
-    params = model.unstack_layers(kvjax.init_params(config,
-                                                    jax.random.key(0)))
-    with self.assertRaisesRegex(ValueError, "layers"):
-      kvjax.forward(dict(params, layers=params["layers"][:1]), config,
-                    jnp.zeros((1, 4), jnp.int32))
+    params = kvjax.init_params(config, jax.random.key(0))
+    unrolled = dict(params, layers=tuple(
+        jax.tree_util.tree_map(lambda w, i=i: w[i], params["layers"])
+        for i in range(config.num_layers)))
+    with self.assertRaisesRegex(ValueError, "kvjax.pack"):
+      kvjax.forward(unrolled, config, jnp.zeros((1, 4), jnp.int32))
 
 
 class PeakRSSTest(absltest.TestCase):

@@ -6,8 +6,9 @@ what it computes. A BlockedKV holds exactly the stacked cache's first P
 slots (round trip bit for bit); its one-token write lands where the stacked
 write does; its key logits, through the shared softmax, give
 `attention.attend`'s output; a `generate` over it gives the stacked
-generate's tokens, logits and final cache for MHA / MQA / GQA, both
-unrolled layouts, float32 / bfloat16 / float16 caches and ragged prompts.
+generate's tokens, logits and final cache for MHA / MQA / GQA on the
+decode params layout, float32 / bfloat16 / float16 caches and ragged
+prompts.
 'auto' picks it for GQA decode of 4+ sequences only; where it cannot run,
 'blocked' raises naming the reason before any compute.
 """
@@ -18,6 +19,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import kvjax
 from kvjax import attention
@@ -185,12 +187,11 @@ class GenerateTest(parameterized.TestCase):
 
   @cases.named((dict(kind="mha", layout="packed"),
                 dict(kind="mqa", layout="packed"),
-                dict(kind="gqa", layout="packed"),
-                dict(kind="gqa", layout="unrolled")),
+                dict(kind="gqa", layout="packed")),
                slow=lambda kind, layout: (kind, layout) != ("gqa", "packed"))
   def test_same_tokens_logits_and_cache(self, kind, layout):
     config = tiny(kind)
-    params = packed.layout(tiny_params(kind), config, layout)
+    params = _layout(kind, layout)
     tokens = jax.random.randint(jax.random.key(1), (3, 20), 0,
                                 config.vocab_size)
     # Prompt bucket 32 + 109 steps: segments (96 steps, 128 slots), then
@@ -219,6 +220,7 @@ class GenerateTest(parameterized.TestCase):
     self._check_same(*self._both(config, params, tokens, 70,
                                  attention_mask=mask), config)
 
+  @pytest.mark.slow  # an edge of the schedule; blocked == stacked is above
   def test_a_segment_off_the_block_grid_reads_the_stacked_cache(self):
     # Capacity 136: the last segment attends all 136 slots, not a multiple
     # of 64, so only the first (128 slots) runs blocked. Same results.
@@ -234,7 +236,7 @@ class GenerateTest(parameterized.TestCase):
   def test_auto_blocks_batched_gqa_decode_only(self):
     def chosen(kind, batch, layout="packed", **kw):
       config = tiny(kind)
-      params = packed.layout(tiny_params(kind), config, layout)
+      params = _layout(kind, layout)
       tokens = jnp.zeros((batch, 8), jnp.int32)
       return inference._generate_args(  # pylint: disable=protected-access
           params, config, tokens, 20, None, kvjax.GREEDY, None, None,
@@ -242,7 +244,7 @@ class GenerateTest(parameterized.TestCase):
           True, "auto")[-1].blocked
     big = inference.BLOCKED_MIN_BATCH
     self.assertTrue(chosen("gqa", big))
-    self.assertTrue(chosen("mha", big + 1, "unrolled"))
+    self.assertTrue(chosen("mha", big + 1))
     self.assertFalse(chosen("gqa", big - 1))
     self.assertFalse(chosen("gqa", 1))
     self.assertFalse(chosen("gqa", big, "scan"))
@@ -264,11 +266,17 @@ class GenerateTest(parameterized.TestCase):
     kw = dict(kw)
     kind, layout = kw.pop("kind", "gqa"), kw.pop("layout", "packed")
     config = tiny(kind)
-    params = packed.layout(tiny_params(kind), config, layout)
+    params = _layout(kind, layout)
     kw.setdefault("decode_layout", "blocked")
     with self.assertRaisesRegex(ValueError, match):
       inference.generate(params, config, jnp.zeros((2, 8), jnp.int32), 20,
                          **kw)
+
+
+def _layout(kind: str, layout: str):
+  """The tiny params of `kind` canonical ('scan') or packed ('packed')."""
+  params = tiny_params(kind)
+  return packed.pack(params, tiny(kind)) if layout == "packed" else params
 
 
 class DecodeRopeTest(parameterized.TestCase):

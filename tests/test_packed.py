@@ -19,6 +19,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import kvjax
 from kvjax import benchmarking as bm
@@ -27,6 +28,7 @@ from kvjax import model
 from kvjax import packed
 from kvjax import sharding
 from kvjax.tolerance import assert_close
+import cases
 from tiny_models import VARIANTS, tiny, tiny_params
 
 S = 24
@@ -50,9 +52,13 @@ def _dots(fn, *args):
 
 class LinearTTest(parameterized.TestCase):
 
-  @parameterized.product(rows=(1, 3, 8, layers.SKINNY_ROWS,
-                                layers.SKINNY_ROWS + 1, 200),
-                          norm_input=(False, True))
+  # Fast tier: one row (the plain matrix-vector form when norm-fed) and the
+  # first row count past the skinny products.
+  @cases.product(rows=(1, 3, 8, layers.SKINNY_ROWS, layers.SKINNY_ROWS + 1,
+                       200),
+                 norm_input=(False, True),
+                 slow=lambda rows, norm_input: rows not in (
+                     1, layers.SKINNY_ROWS + 1))
   def test_equals_matmul_with_transposed_weight(self, rows, norm_input):
     x = jax.random.normal(jax.random.key(0), (rows, 1, 24))
     w_OI = jax.random.normal(jax.random.key(1), (40, 24))
@@ -71,7 +77,7 @@ class LinearTTest(parameterized.TestCase):
     # order differs.
     assert_close(y, ref, depth=1)
 
-  @parameterized.parameters(1, 8)
+  @cases.product(rows=(1, 8))
   def test_skinny_products_keep_the_weight_on_the_left(self, rows):
     # The reason for linear_t (layers.py): the weight is the dot's first
     # operand, fenced by an optimization barrier so XLA keeps it there.
@@ -83,7 +89,7 @@ class LinearTTest(parameterized.TestCase):
     self.assertIn("optimization_barrier",
                   [e.primitive.name for e in jaxpr.eqns])
 
-  @parameterized.parameters(1, 8)
+  @cases.product(rows=(1, 8))
   def test_norm_input_is_plain_for_one_row_only(self, rows):
     # One norm-fed row: the plain x @ W.T (no barrier), which XLA's CPU
     # backend runs as a loop split across the cores; more rows keep the
@@ -104,9 +110,11 @@ class LinearTTest(parameterized.TestCase):
 class PackedTest(parameterized.TestCase):
 
   # q/k/v/o biases exist for the GQA family only (MLA's config rejects them).
-  @parameterized.parameters(
-      [(v, e) for v in VARIANTS for e in ("plain", "tied")] +
-      [(v, "biases") for v in VARIANTS if v != "mla"])
+  @cases.named(
+      [dict(variant=v, extra=e) for v in VARIANTS for e in ("plain", "tied")]
+      + [dict(variant=v, extra="biases") for v in VARIANTS if v != "mla"],
+      slow=lambda variant, extra: (variant, extra) not in (
+          ("gqa", "plain"), ("mla", "plain")))
   def test_same_logits_and_tokens(self, variant, extra):
     overrides = dict(plain={}, tied=dict(tie_embeddings=True),
                      biases=dict(qkv_bias=True, o_bias=True))[extra]
@@ -130,7 +138,7 @@ class PackedTest(parameterized.TestCase):
           kvjax.generate(pk, config, tokens[:, :5], 8),
           kvjax.generate(params, config, tokens[:, :5], 8))
 
-  @parameterized.parameters(*VARIANTS)
+  @cases.variants(fast=("gqa",))
   def test_batch_one_decode(self, variant):
     # One sequence: each decode step is a single row, so the norm-fed
     # products take linear_t's plain matrix-vector form (norm_input).
@@ -144,8 +152,11 @@ class PackedTest(parameterized.TestCase):
       step, cache = kvjax.decode_step(pk, config, tokens[:, t], cache)
       assert_close(step, full[:, t], config)
 
-  @parameterized.parameters(("gqa", "bfloat16"), ("gqa", "int8-kivi"),
-                            ("mla", "int8-kivi"))
+  @cases.named((dict(variant="gqa", kind="bfloat16"),
+                dict(variant="gqa", kind="int8-kivi"),
+                dict(variant="mla", kind="int8-kivi")),
+               slow=lambda variant, kind: (variant, kind) != ("gqa",
+                                                              "int8-kivi"))
   def test_quantized_caches(self, variant, kind):
     config, params = tiny(variant), tiny_params(variant)
     pk = packed.pack(params, config)
@@ -159,6 +170,7 @@ class PackedTest(parameterized.TestCase):
     np.testing.assert_array_equal(a[0], b[0])
     assert_close(a[1], b[1], config, cache=policy.kv_dtype)
 
+  @pytest.mark.slow  # an MoE model's compile; test_moe checks its decode
   def test_moe_stacks(self):
     config = tiny("gqa").replace(moe=kvjax.MoEConfig(
         num_experts=4, experts_per_token=2, expert_dim=32,
@@ -172,7 +184,7 @@ class PackedTest(parameterized.TestCase):
     assert_close(kvjax.forward(pk, config, tokens),
                  kvjax.forward(params, config, tokens), config)
 
-  @parameterized.parameters(*VARIANTS)
+  @cases.variants()
   def test_packed_weights_are_the_canonical_ones(self, variant):
     config, params = tiny(variant), tiny_params(variant)
     pk = packed.pack(params, config)
@@ -222,6 +234,7 @@ class PackedTest(parameterized.TestCase):
     chex.assert_shape(p["w_uk_t"], (N, C, P))
     chex.assert_shape(p["w_uv_t"], (N, V, C))
 
+  @pytest.mark.slow  # both MLA decode paths' generate, twice each
   def test_packed_mla_with_q_lora(self):
     config = dataclasses.replace(tiny("mla"), q_lora_rank=24)
     params = kvjax.init_params(config, jax.random.key(3))
@@ -243,7 +256,7 @@ class PackedTest(parameterized.TestCase):
     cache = kvjax.init_cache(config, 1, S)
     token = jnp.zeros((1,), jnp.int32)
     canonical = _dots(lambda p, c: model.decode_logits(p, config, token, c),
-                      model.unstack_layers(params), cache)
+                      packed._unstack_layers(params), cache)  # pylint: disable=protected-access
     fused = _dots(lambda p, c: model.decode_logits(p, config, token, c),
                   pk, cache)
     # Per layer: q, k, v, o, gate, up, down -> qkv, o, gate_up, down; the
@@ -258,16 +271,14 @@ class PackedTest(parameterized.TestCase):
     self.assertEqual(axes["layers"][0]["mlp"]["down_t"], ("embed", "mlp"))
     self.assertEqual(axes["lm_head_t"], ("vocab", "embed"))
 
-  def test_layouts(self):
+  def test_two_layouts(self):
+    """Canonical (stacked) and packed; nothing in between."""
     config, params = tiny("gqa"), tiny_params("gqa")
-    self.assertIs(packed.layout(params, config, "scan"), params)
-    self.assertIsInstance(
-        packed.layout(params, config, "unrolled")["layers"], tuple)
-    self.assertTrue(packed.is_packed(packed.layout(params, config, "packed")))
+    pk = packed.pack(params, config)
+    self.assertTrue(packed.is_packed(pk))
+    self.assertIsInstance(pk["layers"], tuple)
     self.assertFalse(packed.is_packed(params))
-    self.assertFalse(packed.is_packed(model.unstack_layers(params)))
-    with self.assertRaisesRegex(ValueError, "layout='fused'"):
-      packed.layout(params, config, "fused")
+    self.assertFalse(hasattr(packed, "layout"))
 
   def test_bad_params_raise(self):
     config, params = tiny("gqa"), tiny_params("gqa")
@@ -302,7 +313,7 @@ class ForDecodeTest(parameterized.TestCase):
     config = kvjax.ModelConfig(**base)
     return config, kvjax.init_params(config, jax.random.key(0))
 
-  @parameterized.parameters("gqa", "mla")
+  @cases.variants(("gqa", "mla"), fast=("gqa",))
   def test_generate_on_canonical_params_runs_packed(self, variant):
     config, params = self._wide(variant)
     self.assertTrue(packed.packs(params, config))
@@ -346,7 +357,6 @@ class ForDecodeTest(parameterized.TestCase):
     self.assertLess(tiny_config.embed_dim, packed.PACK_MIN_WIDTH)
     self.assertFalse(packed.packs(tiny_params("gqa"), tiny_config))
     self.assertFalse(packed.packs(packed.pack(params, config), config))
-    self.assertFalse(packed.packs(model.unstack_layers(params), config))
     jax.jit(lambda p: self.assertFalse(packed.packs(p, config)) or 0)(params)
 
 

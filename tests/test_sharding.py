@@ -1,7 +1,9 @@
 """Sharding over a device mesh.
 
-The 8-device checks run in one subprocess (`tests/sharded_check.py`: the
-device count is fixed when JAX starts; this process has 1 device). For mesh
+The 8-device checks (slow tier) run in one subprocess
+(`tests/sharded_check.py`: the device count is fixed when JAX starts; this
+process has 1 device); the fast tier runs the same check on 2 devices
+(meshes (2, 1) and (1, 2), GQA and MLA) in a subprocess of its own. For mesh
 shapes (8,1), (1,8), (2,4), (4,2) and every variant: sharded generation
 equals single-device generation token for token and logits within 1e-5; the
 cache leaves are sharded as the table says (per-device shard shapes and
@@ -31,10 +33,11 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax import model as model_lib
+from kvjax import packed
 from kvjax import sharding
 from kvjax.tolerance import tolerance
 from configs import model as model_presets
+import cases  # pylint: disable=g-bad-import-order
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 VARIANTS = model_presets.VARIANTS
@@ -45,12 +48,13 @@ def mesh_name(shape) -> str:
   return "x".join(str(s) for s in shape)
 
 
-def _run_sharded_check() -> str:
-  """Runs tests/sharded_check.py in an 8-device process; its stdout."""
+def _run_sharded_check(*args) -> str:
+  """Runs tests/sharded_check.py (8 devices unless `args` say otherwise);
+  its stdout."""
   env = dict(os.environ, PYTHONUNBUFFERED="1")
   proc = subprocess.run(
       [sys.executable, os.path.join(HERE, "sharded_check.py"),
-       "--mode=check"], capture_output=True, text=True, env=env,
+       "--mode=check", *args], capture_output=True, text=True, env=env,
       timeout=900, check=False)
   if proc.returncode:
     raise AssertionError(f"sharded_check.py failed ({proc.returncode}):\n"
@@ -86,10 +90,9 @@ def _shared_sharded_check() -> str:
     return out
 
 
-@functools.lru_cache(maxsize=None)
-def subprocess_results():
-  """Runs the 8-device check once; {(variant, mesh, fallback, stops): row}."""
-  stdout = _shared_sharded_check()
+def _parse_rows(stdout: str) -> dict:
+  """{(variant, mesh, fallback, stops, layout, cache): row} of a check's
+  JSON lines (and ("init_params", variant, mesh) rows)."""
   rows = {}
   for line in stdout.splitlines():
     if line.startswith("{"):
@@ -101,6 +104,23 @@ def subprocess_results():
              bool(row["stop_tokens"]), row["layout"], row["cache"])
       rows[key] = row
   return rows
+
+
+@functools.lru_cache(maxsize=None)
+def subprocess_results():
+  """Runs the 8-device check once per test session; its rows."""
+  return _parse_rows(_shared_sharded_check())
+
+
+TWO_DEVICE_MESHES = ("2x1", "1x2")
+
+
+@functools.lru_cache(maxsize=None)
+def two_device_results():
+  """The same check on 2 devices, GQA and MLA, no extras; its rows."""
+  return _parse_rows(_run_sharded_check(
+      "--devices=2", f"--meshes={','.join(TWO_DEVICE_MESHES)}",
+      f"--variants={','.join(cases.FAST_VARIANTS)}", "--noextras"))
 
 
 def tp_config(variant: str) -> kvjax.ModelConfig:
@@ -117,15 +137,18 @@ def abstract(shape, names=None):
                                           sharding.MESH_AXES[:len(shape)]))
 
 
-# One xdist worker runs every test that reads the subprocess (`--dist
-# loadgroup`): it waits for the check while the other worker goes on.
-@pytest.mark.xdist_group("eight_devices")
-class EightDeviceTest(parameterized.TestCase):
-  """Reads the subprocess's results; one test per (variant, mesh)."""
+class _CheckRows(parameterized.TestCase):
+  """Reads a sharded check's rows (`_results`); `_check` states what every
+  row must hold."""
+
+  DEVICES = 8
+
+  def _results(self):
+    return subprocess_results()
 
   def _row(self, variant, mesh, fallback="seq", stops=False,
            layout="stacked", cache="float32"):
-    rows = subprocess_results()
+    rows = self._results()
     key = (variant, mesh, fallback, stops, layout, cache)
     self.assertIn(key, rows, f"no result for {key}; got {sorted(rows)}")
     row = rows[key]
@@ -149,18 +172,46 @@ class EightDeviceTest(parameterized.TestCase):
     self.assertLess(row["largest_collective_bytes"],
                     row["cache_layer_bytes"], row["collectives"])
 
-  @parameterized.product(variant=VARIANTS,
-                         mesh=tuple(mesh_name(m) for m in MESHES))
+  def _check_split(self, row):
+    """Each device holds 1/DEVICES of the cache (plus the small replicated
+    lengths / positions)."""
+    total, per_device = (row["cache_bytes"]["total"],
+                         row["cache_bytes"]["per_device"])
+    self.assertLessEqual(per_device, 1.05 * total / self.DEVICES,
+                         row["table"])
+
+
+@pytest.mark.xdist_group("two_devices")
+class TwoDeviceTest(_CheckRows):
+  """The fast tier's sharding check: GQA and MLA over a (2, 1) and a (1, 2)
+  mesh of 2 devices (`two_device_results`)."""
+
+  DEVICES = 2
+
+  def _results(self):
+    return two_device_results()
+
+  @cases.product(variant=cases.FAST_VARIANTS, mesh=TWO_DEVICE_MESHES)
   def test_sharded_equals_single_device(self, variant, mesh):
     row = self._row(variant, mesh)
     self._check(row)
-    # Each device holds 1/8 of the cache (plus the small replicated
-    # lengths / positions).
-    total, per_device = (row["cache_bytes"]["total"],
-                         row["cache_bytes"]["per_device"])
-    self.assertLessEqual(per_device, 1.05 * total / 8, row["table"])
+    self._check_split(row)
 
-  @parameterized.parameters(*(v for v in VARIANTS if v in ("gqa", "mla")))
+
+# One xdist worker runs every test that reads the subprocess (`--dist
+# loadgroup`): it waits for the check while the other worker goes on.
+@pytest.mark.slow
+@pytest.mark.xdist_group("eight_devices")
+class EightDeviceTest(_CheckRows):
+  """Reads the subprocess's results; one test per (variant, mesh)."""
+
+  @cases.product(variant=VARIANTS, mesh=tuple(mesh_name(m) for m in MESHES))
+  def test_sharded_equals_single_device(self, variant, mesh):
+    row = self._row(variant, mesh)
+    self._check(row)
+    self._check_split(row)
+
+  @cases.product(variant=("gqa", "mla"))
   def test_three_axis_mesh_shards_cache_slots_over_seq(self, variant):
     row = self._row(variant, "2x2x2")
     self._check(row)
@@ -175,11 +226,7 @@ class EightDeviceTest(parameterized.TestCase):
     self.assertEqual(row["cache_bytes"]["per_device"],
                      row["cache_bytes"]["total"])
 
-  def test_unstacked_layers_shard_the_same(self):
-    row = self._row("mha", "2x4", layout="unstacked")
-    self._check(row)
-
-  @parameterized.parameters("gqa", "mla")
+  @cases.product(variant=("gqa", "mla"))
   def test_packed_params_shard_the_same(self, variant):
     # kvjax.packed: fused [out, in] weights under the table's packed names.
     row = self._row(variant, "2x4", layout="packed")
@@ -196,7 +243,7 @@ class EightDeviceTest(parameterized.TestCase):
                      [[config.num_layers, config.embed_dim,
                        config.num_heads // 4, config.head_dim]])
 
-  @parameterized.parameters("gqa", "mla")
+  @cases.product(variant=("gqa", "mla"))
   def test_kivi_cache_under_a_mesh(self, variant):
     row = self._row(variant, "2x4", cache="kivi")
     self._check(row)
@@ -210,7 +257,7 @@ class EightDeviceTest(parameterized.TestCase):
 
 class TableTest(parameterized.TestCase):
 
-  @parameterized.product(variant=VARIANTS, mesh=MESHES)
+  @cases.product(variant=VARIANTS, mesh=MESHES)
   def test_resolution_follows_the_head_counts(self, variant, mesh):
     config = tp_config(variant)
     self.assertEqual(config.variant, variant)
@@ -279,8 +326,8 @@ class TableTest(parameterized.TestCase):
     shapes = jax.eval_shape(lambda: kvjax.init_params(config,
                                                       jax.random.key(0)))
     stacked = sharding.param_axes(shapes)
-    unstacked = sharding.param_axes(jax.eval_shape(model_lib.unstack_layers,
-                                                   shapes))
+    unstacked = sharding.param_axes(jax.eval_shape(
+        packed._unstack_layers, shapes))  # pylint: disable=protected-access
     self.assertLen(unstacked["layers"], config.num_layers)
     for layer in unstacked["layers"]:
       jax.tree_util.tree_map(
@@ -288,9 +335,9 @@ class TableTest(parameterized.TestCase):
           is_leaf=lambda x: isinstance(x, tuple))
     self.assertEqual(unstacked["embed"], ("vocab", "embed"))
 
-  @parameterized.parameters(("gqa", "float32", "none"),
-                            ("gqa", "int8", "h2o"),
-                            ("mla", "int8", "none"))
+  @cases.named((dict(variant="gqa", dtype="float32", eviction="none"),
+                dict(variant="gqa", dtype="int8", eviction="h2o"),
+                dict(variant="mla", dtype="int8", eviction="none")))
   def test_cache_axes_match_every_leaf(self, variant, dtype, eviction):
     config = tp_config(variant)
     policy = kvjax.CachePolicy(eviction=eviction,
@@ -405,6 +452,7 @@ class HelperTest(parameterized.TestCase):
         os.environ.pop(k, None)
       os.environ.update(saved)
 
+  @pytest.mark.slow  # the 2-device check runs a plan on a real mesh
   def test_one_device_plan_changes_nothing(self):
     config = tp_config("gqa")
     params = kvjax.init_params(config, jax.random.key(0))
