@@ -28,7 +28,7 @@ import platform
 import subprocess
 import time
 
-from absl import app
+
 from absl import flags
 from absl import logging
 import jax
@@ -36,6 +36,7 @@ import numpy as np
 from ml_collections import config_flags
 
 import kvjax
+from kvjax import cli
 from kvjax import configs
 from kvjax import data
 from kvjax import task_eval
@@ -218,7 +219,7 @@ def plot_heatmaps(records, path, task_names, budget, policies, title):
 
 def main(argv):
   if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    raise cli.UsageError(f"unexpected arguments: {argv[1:]}")
   lengths = [int(n) for n in _LENGTHS.value]
   depths = [float(d) for d in _DEPTHS.value]
   budgets = sorted(task_eval.check_budget(float(b)) for b in _BUDGETS.value)
@@ -301,4 +302,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

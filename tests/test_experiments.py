@@ -31,7 +31,7 @@ CLI_SCRIPTS = sorted(
     os.path.join(ROOT, "experiments", f"{name}.py") for name in (
         "ablate", "benchmark", "cache_table", "decode_layout",
         "error_check_cost", "generate", "memory_growth", "peer_benchmark",
-        "streaming_eval", "train"))
+        "serve", "streaming_eval", "task_eval", "train"))
 
 
 class ExperimentsImportTest(absltest.TestCase):
