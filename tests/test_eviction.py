@@ -29,7 +29,6 @@ import numpy as np
 import kvjax
 from kvjax import cache as cache_lib
 from kvjax import configs as configs_lib
-from kvjax import eviction
 from kvjax import model as kvmodel
 from kvjax import streaming
 from kvjax.attention import Step
@@ -212,7 +211,7 @@ class SlotArithmeticTest(chex.TestCase):
     # Row 0: positions 6 and 7 are the newest recent-1 = 2 (kept whatever
     # their score); of the rest, position 4 (slot 4) has the lowest score.
     # Row 1 is not full: the next free slot.
-    np.testing.assert_array_equal(eviction.h2o_slot(cache), [4, 3])
+    np.testing.assert_array_equal(kvmodel.decode_slots(cache), [4, 3])
 
 
 class PolicyMatrixTest(parameterized.TestCase):
