@@ -181,8 +181,7 @@ class MLALayerTest(chex.TestCase):
     chex.assert_shape([out_a, out_n], (B, T, N, c.v_head_dim))
     assert_close(out_a, out_n, depth=1)
     assert_close(probs_a, probs_n, depth=1)
-    self.assertTrue(bool(jnp.all(jnp.where(mask[:, None], True,
-                                           probs_a == 0))))
+    self.assertTrue(bool(jnp.all(jnp.where(mask, True, probs_a == 0))))
 
 
 class MLADecodeTest(parameterized.TestCase):
