@@ -427,6 +427,7 @@ class Engine:
     rows, which write nothing. Returns the seconds it took."""
     t0 = time.perf_counter()
     s, B, M = self.spec, self.spec.rows, self.spec.max_pages
+    self._request_keys(0, 1)
     no_pages = np.full((B, M), paged_lib.NO_PAGE, np.int32)
     self._load(no_pages, np.zeros(B, np.int32))
     for A in self.decode_views:
@@ -534,11 +535,23 @@ class Engine:
       if r.sampler.greedy:
         keys = np.zeros((n,) + self._key_shape, np.uint32)
       else:
-        keys = np.asarray(jax.random.key_data(jax.random.split(
-            jax.random.key(r.seed), n)))
+        keys = self._request_keys(r.seed, n)
       out.append(_Seq(req=r, order=-1, tokens=list(map(int, prompt)),
                       keys=keys, sampler_id=s.samplers.index(r.sampler)))
     return out
+
+  def _request_keys(self, seed: int, n: int) -> np.ndarray:
+    """`jax.random.split(key(seed), n)` as key data, [n, ...], without a
+    compile per distinct n: with partitionable threefry (key i depends on i
+    alone) the first n of one split to the capacity bound are those keys;
+    otherwise the exact split (which compiles for each new n)."""
+    key = jax.random.key(seed)
+    if not jax.config.jax_threefry_partitionable:
+      return np.asarray(jax.random.key_data(jax.random.split(key, n)))
+    # n <= capacity: slots = prompt + n - 1 <= capacity, prompt >= 1. The
+    # slice is on the host (a device slice compiles per n).
+    keys = jax.random.key_data(jax.random.split(key, self.spec.capacity))
+    return np.asarray(keys)[:n]
 
   # ---- device calls ---------------------------------------------------------
   def _load(self, table, length):
