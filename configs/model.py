@@ -45,7 +45,7 @@ PRESETS = tuple(f"{v}-{s}" for v in VARIANTS for s in SIZES)
 def default_positions(eviction: str) -> str:
   """The RoPE position mode a cache section gets unless it sets one:
   'cache' for sinks and the global scored policies (h2o, tova, ...), which
-  keep old tokens (StreamingLLM's choice; `kvjax.streaming.parse_policy`
+  keep old tokens (StreamingLLM's choice; `kvjax.lab.streaming.parse_policy`
   does the same), else 'original' (none and window are the same model
   either way, and per-layer / per-head policies need it)."""
   from kvjax import policies  # pylint: disable=g-import-not-at-top

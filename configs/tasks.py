@@ -1,10 +1,10 @@
-r"""Task models: small byte models trained on `kvjax.tasks` mixtures.
+r"""Task models: small byte models trained on `kvjax.lab.tasks` mixtures.
 
 Select with `--config=configs/tasks.py:<variant>-<mixture>`, e.g.
 `gqa-passkey`, `mla-mqar`, `mha-mix`; override with
 `--config.train.num_steps=300`. Train with
 
-  python -m kvjax.tasks --config=configs/tasks.py:gqa-passkey \
+  python -m kvjax.lab.tasks --config=configs/tasks.py:gqa-passkey \
       --workdir=workdir/tasks-gqa-passkey
 
 and score with `experiments/task_eval.py --checkpoint=<that workdir>`.
@@ -17,7 +17,7 @@ configs/train.py): D 128, L 2, N 4, H 32;
 F is the width whose `kvjax.param_count` comes closest to the GQA
 reference (tests/test_tasks.py checks the match within 1 %).
 
-mixtures (`kvjax.tasks.mixture_batch`; prompt_loss: next-byte loss on the
+mixtures (`kvjax.lab.tasks.mixture_batch`; prompt_loss: next-byte loss on the
 whole row, else on the answers only; validation always scores answers):
   passkey  passkey retrieval at training length T = 256, prompt_loss
   mqar     multi-query associative recall, T = 256 (~27 pairs), loss on the

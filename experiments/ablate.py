@@ -19,7 +19,7 @@ import time
 from absl import flags
 from absl import logging
 
-from kvjax import ablation
+from kvjax.lab import ablation
 from kvjax import cli
 from kvjax import configs
 from kvjax import data

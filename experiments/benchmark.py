@@ -23,7 +23,7 @@ Modes (each writes <mode>.json and, where it plots, <mode>.png to --workdir):
   ppl        only the perplexity part of `quant`.
 
 Multi-variant modes build `model_dict(variant, size)` for the preset's size.
-All logic lives in `kvjax.benchmarking`; this file only sequences.
+All logic lives in `kvjax.lab.benchmarking`; this file only sequences.
 
 Every measurement is printed on stdout as it is taken ([done/total]) and
 appended to <mode>.jsonl in --workdir, so a stopped run keeps what it
@@ -38,12 +38,11 @@ import jax
 import jax.numpy as jnp
 
 import kvjax
-from kvjax import benchmarking as bm
+from kvjax.lab import benchmarking as bm
 from kvjax import cli
 from kvjax import configs as cfg_lib
 from kvjax import data
 from kvjax import inference
-from kvjax import packed
 from configs import model as model_presets
 
 MODES = ("memory", "positions", "variants", "roofline", "quant", "sweep",
@@ -352,7 +351,7 @@ def compile_times(config, batch, length, layout):
     params = jax.eval_shape(lambda c=c: kvjax.init_params(c,
                                                           jax.random.key(0)))
     if layout == "packed":
-      params = jax.eval_shape(lambda p, c=c: packed.pack(p, c), params)
+      params = jax.eval_shape(lambda p, c=c: kvjax.pack(p, c), params)
     cache = jax.eval_shape(lambda c=c: kvjax.init_cache(c, batch, 2 * length))
     tok = jax.ShapeDtypeStruct((batch, length), jnp.int32)
     mask = jax.ShapeDtypeStruct((batch, length), jnp.bool_)
@@ -421,7 +420,7 @@ def _perplexity(kv_dtypes, mode):
   cache of each kv dtype (None when no model is given)."""
   if not _TRAINED.value:
     return None
-  from kvjax import job, streaming  # pylint: disable=g-import-not-at-top
+  from kvjax.lab import job, streaming  # pylint: disable=g-import-not-at-top
   loaded = job.load_model(trained=_TRAINED.value)
   docs = data.split_documents(data.load_austen(_DATA_DIR.value)).validation
   W = _PPL_WINDOW.value
@@ -443,7 +442,7 @@ def _perplexity(kv_dtypes, mode):
 
 
 def run_quant():
-  from kvjax import streaming  # pylint: disable=g-import-not-at-top
+  from kvjax.lab import streaming  # pylint: disable=g-import-not-at-top
   out = dict(size=_size(), variants={},
              long_context=dict(batch=_QUANT_BATCH.value,
                                context=_QUANT_CONTEXT.value))

@@ -20,7 +20,7 @@ from absl import flags
 
 from kvjax import cli
 from kvjax import configs
-from kvjax import published
+from kvjax.lab import published
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.",
                                required=True)

@@ -23,7 +23,7 @@ import tempfile
 
 from absl import flags
 
-from kvjax import benchmarking as bm
+from kvjax.lab import benchmarking as bm
 from kvjax import cli
 from configs import model as presets
 

@@ -21,11 +21,11 @@ from absl import flags
 import jax
 import numpy as np
 
-from kvjax import benchmarking as bm
+import kvjax
+from kvjax.lab import benchmarking as bm
 from kvjax import cli
 from kvjax import configs as cfg_lib
 from kvjax import inference
-from kvjax import model
 from kvjax import packed
 from configs import model as presets
 
@@ -52,8 +52,8 @@ def main(argv):
   rows = []
   partial = cli.JsonLines(os.path.join(_WORKDIR.value, "decode_layout.jsonl"))
   for name, config in model_configs.items():
-    canonical = model.init_params(config, jax.random.key(0))
-    fused = packed.pack(canonical, config)
+    canonical = kvjax.init_params(config, jax.random.key(0))
+    fused = kvjax.pack(canonical, config)
     for batch in _BATCHES.value:
       tokens = np.asarray(jax.random.randint(
           jax.random.key(1), (batch, _PROMPT.value), 0, config.vocab_size))

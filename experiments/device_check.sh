@@ -17,7 +17,7 @@
 #   benchmark  experiments/benchmark.py unchanged, on the accelerator: decode
 #              step time against position with and without the cache, and the
 #              roofline (read bandwidth, matmul peak, per-variant fractions).
-#              It logs the device it ran on (kvjax.benchmarking.machine_info)
+#              It logs the device it ran on (kvjax.lab.benchmarking.machine_info)
 #              and writes JSON + PNG to WORKDIR/benchmark.
 #
 # Environment:

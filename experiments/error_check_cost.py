@@ -19,11 +19,10 @@ from absl import flags
 from absl import logging
 import jax
 
-from kvjax import benchmarking as bm
+import kvjax
+from kvjax.lab import benchmarking as bm
 from kvjax import cli
 from kvjax import configs as cfg_lib
-from kvjax import model
-from kvjax import packed
 from configs import model as model_presets
 
 _CONFIG = cli.DEFINE_config_file(
@@ -46,7 +45,7 @@ def main(argv):
   del argv
   with cli.checking("--config.model"):
     config = cfg_lib.model_config(_CONFIG.value.model)
-  params = packed.pack(model.init_params(config, jax.random.key(0)), config)
+  params = kvjax.pack(kvjax.init_params(config, jax.random.key(0)), config)
   rows = []
   partial = cli.JsonLines(os.path.join(_WORKDIR.value,
                                        "error_check_cost.jsonl"))

@@ -32,7 +32,7 @@ from absl import flags
 from kvjax import cli
 from kvjax import configs
 from kvjax import data
-from kvjax import job
+from kvjax.lab import job
 from kvjax import sharding
 from configs import model as model_presets
 

@@ -25,7 +25,7 @@ import numpy as np
 import kvjax
 from kvjax import cli
 from kvjax import configs
-from kvjax import streaming
+from kvjax.lab import streaming
 from configs import model as presets
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.",

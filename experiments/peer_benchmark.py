@@ -39,7 +39,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
 import kvjax  # pylint: disable=g-import-not-at-top
-from kvjax import benchmarking as bm  # pylint: disable=g-import-not-at-top
+from kvjax.lab import benchmarking as bm  # pylint: disable=g-import-not-at-top
 from kvjax import cli  # pylint: disable=g-import-not-at-top
 from kvjax import configs as cfg_lib  # pylint: disable=g-import-not-at-top
 from kvjax import inference  # pylint: disable=g-import-not-at-top

@@ -4,7 +4,7 @@ budget, prefix sharing, and what a paged decode step costs.
   python experiments/serve.py --workdir=workdir/serve
 
 A random-weight preset model (default gqa-small) serves seeded synthetic
-traces (`kvjax.serving`: lognormal prompt / output lengths, Poisson
+traces (`kvjax.lab.serving`: lognormal prompt / output lengths, Poisson
 arrivals) through `kvjax.engine`:
 
   1. one trace, one KV budget (--num_pages pages of --page_size slots),
@@ -18,7 +18,7 @@ arrivals) through `kvjax.engine`:
      without prefix caching: prefill tokens computed, peak KV slots,
      prefill time.
   3. the paged decode step against the contiguous one at the same batch
-     and context (`paged.decode_step_cost`), one step per view and
+     and context (`serving.decode_step_cost`), one step per view and
      --decode_steps steps per view.
 
 Outputs in --workdir: serve.json (every number, the CPU model from lscpu,
@@ -36,9 +36,9 @@ import jax
 
 import kvjax
 from kvjax import cli
-from kvjax import benchmarking
+from kvjax.lab import benchmarking
 from kvjax import configs
-from kvjax import serving
+from kvjax.lab import serving
 from configs import model as presets
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.",

@@ -36,17 +36,18 @@ import kvjax
 from kvjax import cli
 from kvjax import configs
 from kvjax import data
-from kvjax import job
-from kvjax import streaming
+from kvjax import orbax_checkpoint
 from kvjax import train
+from kvjax.lab import job
+from kvjax.lab import streaming
 from configs import model as model_presets
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.",
                                required=True)
 _CHECKPOINT = flags.DEFINE_string(
     "checkpoint", job.SHIPPED_MODEL,
-    "Training workdir of experiments/train.py (kvjax.train.restore_params); "
-    "empty: a random-weight model from --model (a smoke run, not a result).")
+    "Training workdir of experiments/train.py "
+    "(kvjax.orbax_checkpoint.restore_params); empty: a random-weight model from --model (a smoke run, not a result).")
 _MODEL = cli.DEFINE_config_file(
     "model", os.path.join(os.path.dirname(__file__), "..", "configs",
                           "model.py:gqa-tiny"),
@@ -152,8 +153,9 @@ def main(argv):
   tokens = stream[_OFFSET.value:_OFFSET.value + n]
   step = None
   if _CHECKPOINT.value:
-    config, params = train.restore_params(_CHECKPOINT.value, _STEP.value)
-    step = _STEP.value or train.checkpoint_manager(
+    config, params = orbax_checkpoint.restore_params(_CHECKPOINT.value,
+                                                     _STEP.value)
+    step = _STEP.value or orbax_checkpoint.checkpoint_manager(
         _CHECKPOINT.value).latest_step()
     with open(os.path.join(_CHECKPOINT.value, train.CONFIG_FILE)) as f:
       train_len = int(json.load(f).get("train", {}).get("seq_len", 0))

@@ -1,16 +1,17 @@
 r"""Long-context task accuracy against cache budget, per eviction policy.
 
-Generates `kvjax.tasks` examples (passkey, RULER NIAH, MQAR) at several
+Generates `kvjax.lab.tasks` examples (passkey, RULER NIAH, MQAR) at several
 lengths and needle depths, answers them greedily through each cache policy
-at each budget (`kvjax.task_eval`), and reports exact-match accuracy.
+at each budget (`kvjax.lab.task_eval`), and reports exact-match accuracy.
 
   python experiments/task_eval.py --workdir=workdir/task_eval
   python experiments/task_eval.py --checkpoint=workdir/tasks-gqa-passkey \
       --tasks=passkey --lengths=256,512,1024 --workdir=workdir/task_eval_pk
 
-Models: --checkpoint is a training workdir (`kvjax.train.restore_params`:
-the shipped checkpoints/austen-gqa, or a task model from
-`python -m kvjax.tasks --config=configs/tasks.py:gqa-passkey`); with
+Models: --checkpoint is a training workdir
+(`kvjax.orbax_checkpoint.restore_params`: the shipped checkpoints/austen-gqa,
+or a task model from
+`python -m kvjax.lab.tasks --config=configs/tasks.py:gqa-passkey`); with
 --checkpoint='' a random-weight preset from --model (a smoke run: it
 scores ~0, the chance level of exact match, and ~ -A·ln 259 nats of
 teacher-forced log-likelihood).
@@ -39,16 +40,16 @@ import kvjax
 from kvjax import cli
 from kvjax import configs
 from kvjax import data
-from kvjax import task_eval
-from kvjax import tasks
-from kvjax import train
+from kvjax import orbax_checkpoint
+from kvjax.lab import task_eval
+from kvjax.lab import tasks
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.",
                                required=True)
 _CHECKPOINT = flags.DEFINE_string(
     "checkpoint", "checkpoints/austen-gqa",
-    "Training workdir (kvjax.train.restore_params); empty: a random-weight "
-    "model from --model.")
+    "Training workdir (kvjax.orbax_checkpoint.restore_params); empty: a "
+    "random-weight model from --model.")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: last).")
 _MODEL = config_flags.DEFINE_config_file(
     "model", "configs/model.py:gqa-tiny",
@@ -102,7 +103,8 @@ def cpu_model() -> str:
 def load_model():
   """(config, params, description)."""
   if _CHECKPOINT.value:
-    config, params = train.restore_params(_CHECKPOINT.value, _STEP.value)
+    config, params = orbax_checkpoint.restore_params(_CHECKPOINT.value,
+                                                     _STEP.value)
     return config, params, f"checkpoint {_CHECKPOINT.value}"
   logging.warning("random weights (--checkpoint=''): a smoke run only")
   config = configs.model_config(_MODEL.value.model).replace(
@@ -239,7 +241,7 @@ def main(argv):
                  else budgets[len(budgets) // 2])
   task_eval.check_budget(heat_budget)
   os.makedirs(_WORKDIR.value, exist_ok=True)
-  train.quiet_orbax_logs()
+  orbax_checkpoint.quiet_orbax_logs()
   config, params, what = load_model()
   too_long = [n for n in lengths if n + 64 > config.max_seq_len]
   if too_long:

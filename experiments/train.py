@@ -8,10 +8,10 @@ r"""Trains a byte-level kvjax model on the Austen novels.
 
 Re-running with the same --workdir resumes from the latest checkpoint.
 Outputs (checkpoints, metrics.jsonl written as training goes, loss.png,
-final.json) go to --workdir; `kvjax.train.restore_params(workdir)` loads the
-model for inference. The corpus is read from --config.train.data_dir, else
-$KVJAX_DATA_DIR, else the user's cache directory (`python -m kvjax.data`
-prints where).
+final.json) go to --workdir; `kvjax.orbax_checkpoint.restore_params(workdir)`
+loads the model for inference. The corpus is read from
+--config.train.data_dir, else $KVJAX_DATA_DIR, else the user's cache
+directory (`python -m kvjax.data` prints where).
 """
 
 import os

@@ -16,9 +16,10 @@ from flax import struct
 from kvjax import blocked as blocked_lib
 from kvjax import cache as cache_lib
 from kvjax import kivi
+from kvjax import projections
 from kvjax import quant
 from kvjax.config import ModelConfig
-from kvjax.layers import apply_rope, linear_t, merge_heads_out
+from kvjax.layers import apply_rope
 from kvjax.policies import base as policies_base
 
 MODES = ("forward", "prefill", "extend", "decode")
@@ -64,6 +65,20 @@ class Step:
   mode: str = struct.field(pytree_node=False, default="forward")
   want_scores: bool = struct.field(pytree_node=False, default=False)
   attend: int = struct.field(pytree_node=False, default=0)
+
+
+@struct.dataclass
+class ProbeRecord:
+  """What a probe forward (`kvjax.probe`) carries through the layers in
+  the cache's place: every layer's attention probabilities, float32
+  [L, B, N, T, S] (layer l's written by layer l). Mode 'forward' only; a
+  cache-less forward passes None and never builds one."""
+
+  probs: jax.Array
+
+  def record(self, layer, probs_BNTS):
+    return self.replace(probs=self.probs.at[layer].set(
+        probs_BNTS.astype(jnp.float32)))
 
 
 def layer_mask(step: Step, layer):
@@ -179,13 +194,13 @@ def write_kv(cache: cache_lib.KVCache, layer, slots_BT, k_BTKH, v_BTKH, *,
 def read_kv(cache: cache_lib.KVCache, layer, dtype, prefix: int = 0):
   """One layer's keys and values, [B, K, S, H] each, in `dtype` (only the
   first `prefix` slots when prefix > 0)."""
-  P = prefix or cache.capacity
-  v_scale = None if cache.v_scale is None else cache.v_scale[layer, :, :, :P]
-  v_BKSH = quant.dequantize(cache.v[layer, :, :, :P], v_scale, dtype)
+  S = prefix or cache.capacity
+  v_scale = None if cache.v_scale is None else cache.v_scale[layer, :, :, :S]
+  v_BKSH = quant.dequantize(cache.v[layer, :, :, :S], v_scale, dtype)
   if cache.policy.channel_keys:
-    return kivi.read_keys(cache, layer, dtype, P), v_BKSH
-  k_scale = None if cache.k_scale is None else cache.k_scale[layer, :, :, :P]
-  return quant.dequantize(cache.k[layer, :, :, :P], k_scale, dtype), v_BKSH
+    return kivi.read_keys(cache, layer, dtype, S), v_BKSH
+  k_scale = None if cache.k_scale is None else cache.k_scale[layer, :, :, :S]
+  return quant.dequantize(cache.k[layer, :, :, :S], k_scale, dtype), v_BKSH
 
 
 def observe_scores(cache, probs_BKGTS, k_BKSH, mask_BKTS, step: Step,
@@ -288,13 +303,11 @@ def gqa_attention(p, x_BTD, step: Step, cache, layer, config: ModelConfig):
   """One GQA/MHA/MQA attention layer.
 
   Args:
-    p: this layer's params: q [D,N,H], k, v [D,K,H], o [N,H,D], optional
-      q_bias [N,H], k_bias, v_bias [K,H], o_bias [D]; or, packed
-      (`kvjax.packed`), qkv_t [(N+2K)·H, D] and o_t [D, N·H] for q/k/v/o.
+    p: this layer's attention params, either layout (`kvjax.projections`).
     x_BTD: normalized input.
     step: the call context.
     cache: KVCache, a decode segment's `blocked.BlockedKV`, or None (mode
-      'forward').
+      'forward'; a probe forward's `ProbeRecord`).
     layer: index of this layer in the cache's L axis (traced).
   Returns:
     (y_BTD, new_cache)
@@ -303,22 +316,10 @@ def gqa_attention(p, x_BTD, step: Step, cache, layer, config: ModelConfig):
   N, K, G, H = (config.num_heads, config.num_kv_heads, config.groups,
                 config.head_dim)
   dtype = x_BTD.dtype
-  if "qkv_t" in p:  # kvjax.packed: one fused [out, in] product
-    qkv_BTX = linear_t(x_BTD, p["qkv_t"], norm_input=True)
-    q_BTNH = qkv_BTX[..., :N * H].reshape(B, T, N, H)
-    k_BTKH = qkv_BTX[..., N * H:(N + K) * H].reshape(B, T, K, H)
-    v_BTKH = qkv_BTX[..., (N + K) * H:].reshape(B, T, K, H)
-  else:
-    q_BTNH = jnp.einsum("BTD,DNH->BTNH", x_BTD, p["q"])
-    k_BTKH = jnp.einsum("BTD,DKH->BTKH", x_BTD, p["k"])
-    v_BTKH = jnp.einsum("BTD,DKH->BTKH", x_BTD, p["v"])
-  if "q_bias" in p:
-    q_BTNH += p["q_bias"][None, None]
-    k_BTKH += p["k_bias"][None, None]
-    v_BTKH += p["v_bias"][None, None]
+  q_BTNH, k_BTKH, v_BTKH = projections.qkv(p, x_BTD, config)
   cos_q, sin_q = step.cos_q[:, :, None], step.sin_q[:, :, None]
   q_BTNH = apply_rope(q_BTNH, cos_q, sin_q, config.rope_layout)
-  pre_rope = cache is not None and cache.policy.positions == "cache"
+  pre_rope = step.mode != "forward" and cache.policy.positions == "cache"
   k_rot_BTKH = apply_rope(k_BTKH, cos_q, sin_q, config.rope_layout)
   # `cache` position mode stores keys unrotated and rotates at read time.
   k_store_BTKH = k_BTKH if pre_rope else k_rot_BTKH
@@ -331,7 +332,8 @@ def gqa_attention(p, x_BTD, step: Step, cache, layer, config: ModelConfig):
     out_BTKGH, _ = decode_softmax_values(
         blocked_lib.key_logits(q_BTKGH, k_BKWHX), v_BKSH, mask_BKTS,
         config.softmax_scale, dtype)
-    return project_out(p, out_BTKGH.reshape(B, T, N, H)), cache
+    return projections.attn_out(p, out_BTKGH.reshape(B, T, N, H),
+                              config), cache
   compress = step.mode == "prefill" and cache.policy.scoped
   if step.mode == "decode":
     cache = write_kv(cache, layer, layer_slots(step, layer), k_store_BTKH,
@@ -362,20 +364,9 @@ def gqa_attention(p, x_BTD, step: Step, cache, layer, config: ModelConfig):
     cache = write_kv(cache, layer, slots_BS,
                      gather_tokens(k_store_BTKH, idx_BKS),
                      gather_tokens(v_BTKH, idx_BKS), fresh=True)
+  elif isinstance(cache, ProbeRecord):
+    cache = cache.record(layer, probs.reshape(B, N, T, -1))
   elif cache is not None:
     cache = observe_scores(cache, probs, k_BKSH, mask_BKTS, step, layer)
-  return project_out(p, out_BTKGH.reshape(B, T, N, H)), cache
-
-
-def project_out(p, out_BTNH):
-  """The attention output projection of either params layout: o [N,H,D]
-  (`merge_heads_out`) or packed o_t [D, N·H] (`linear_t`), plus o_bias [D]
-  when present. (MLA's per-head value width V plays H here.)"""
-  B, T = out_BTNH.shape[:2]
-  if "o_t" in p:
-    y_BTD = linear_t(out_BTNH.reshape(B, T, -1), p["o_t"])
-  else:
-    y_BTD = merge_heads_out(out_BTNH, p["o"])
-  if "o_bias" in p:
-    y_BTD += p["o_bias"][None, None]
-  return y_BTD
+  return projections.attn_out(p, out_BTKGH.reshape(B, T, N, H),
+                              config), cache

@@ -1,18 +1,19 @@
 """The decode loop's blocked cache: per-layer arrays, keys transposed in
 blocks of slots (GQA / MHA / MQA; `generate`'s batched decode).
 
-  BlockedKV  k  L × [B, K, W, H, X]   keys: W = P / X blocks of X slots,
+  BlockedKV  k  L × [B, K, W, H, X]   keys: W = S / X blocks of X slots,
                                       each block stored head-dim-major
-             v  L × [B, K, P, H]      values, as in the stacked cache
+             v  L × [B, K, S, H]      values, as in the stacked cache
 
-P is the attended prefix of one `generate` decode segment
-(`decode.attention_schedule`): the segment converts the first P slots of
-the stacked `KVCache` into this form once (`from_cache`), runs its decode
-scan over it and writes the slots back (`into_cache`). Same values, same
-attention, same tokens; only the layout the decode step reads changes.
+S, the blocked cache's slots, is the attended prefix of one `generate`
+decode segment (`decode.attention_schedule`): the segment converts the
+first S slots of the stacked `KVCache` into this form once (`from_cache`),
+runs its decode scan over it and writes the slots back (`into_cache`).
+Same values, same attention, same tokens; only the layout the decode step
+reads changes.
 
 Why (measured, WORKSPACE.md): at batch 8 the stacked cache costs a decode
-step two slice copies per layer (XLA:CPU copies `k[l, :, :, :P]` before the
+step two slice copies per layer (XLA:CPU copies `k[l, :, :, :S]` before the
 dots) and its key product `'BKSH,BKGH->BKSG'` has only G = 3 output columns.
 Per-layer arrays remove the copies; keys in [H, X] blocks make the key
 product a batched `[G, H] @ [H, X]` over contiguous 16 KB blocks, which
@@ -41,8 +42,8 @@ BLOCK = 64  # X: slots per key block (32 measured as fast, 128 slower)
 class BlockedKV:
   """A decode segment's view of a float `KVCache` (see the module docstring).
 
-  k: L-tuple of [B, K, W, H, X] keys; v: L-tuple of [B, K, P, H] values
-  (storage dtype of the policy); positions [B, P]; length [B]; errors [B]
+  k: L-tuple of [B, K, W, H, X] keys; v: L-tuple of [B, K, S, H] values
+  (storage dtype of the policy); positions [B, S]; length [B]; errors [B]
   (`kvjax.errors`).
   """
 
@@ -104,24 +105,24 @@ def from_cache(cache: cache_lib.KVCache, attend: int,
 
 def into_cache(cache: cache_lib.KVCache, blocked: BlockedKV
                ) -> cache_lib.KVCache:
-  """`cache` with its first P slots, positions and lengths taken from
-  `blocked` (the inverse of `from_cache`)."""
+  """`cache` with its first S slots (the blocked cache's), positions and
+  lengths taken from `blocked` (the inverse of `from_cache`)."""
   B, K, W, H, X = blocked.k[0].shape
-  P = W * X
-  k_LBKPH = jnp.stack([jnp.swapaxes(k, -1, -2).reshape(B, K, P, H)
+  S = W * X
+  k_LBKSH = jnp.stack([jnp.swapaxes(k, -1, -2).reshape(B, K, S, H)
                        for k in blocked.k])
-  v_LBKPH = jnp.stack(blocked.v)
+  v_LBKSH = jnp.stack(blocked.v)
   return cache.replace(
-      k=cache.k.at[:, :, :, :P].set(k_LBKPH),
-      v=cache.v.at[:, :, :, :P].set(v_LBKPH),
-      positions=cache.positions.at[:, :P].set(blocked.positions),
+      k=cache.k.at[:, :, :, :S].set(k_LBKSH),
+      v=cache.v.at[:, :, :, :S].set(v_LBKSH),
+      positions=cache.positions.at[:, :S].set(blocked.positions),
       length=blocked.length, errors=blocked.errors)
 
 
 def write(blocked: BlockedKV, layer: int, slots_BT, k_BTKH, v_BTKH
           ) -> BlockedKV:
   """Stores one decode token per sequence (T = 1) of static `layer` at
-  `slots` [B, 1] (slot = P: dropped)."""
+  `slots` [B, 1] (slot = S: dropped)."""
   B, T = slots_BT.shape
   if T != 1:
     raise ValueError(f"BlockedKV holds decode steps only (T = 1), got T={T}")
@@ -132,7 +133,7 @@ def write(blocked: BlockedKV, layer: int, slots_BT, k_BTKH, v_BTKH
   k_BKH, _ = quant.quantize(k_BTKH[:, 0], dtype)  # a cast (float caches)
   v_BTKH, _ = quant.quantize(v_BTKH, dtype)
   k, v = list(blocked.k), list(blocked.v)
-  # Slot P (past the segment) has block W: out of range, dropped like slot P.
+  # Slot S (past the segment) has block W: out of range, dropped like slot S.
   k[layer] = k[layer].at[b_B, :, s_B // X, :, s_B % X].set(k_BKH,
                                                            mode="drop")
   v[layer] = v[layer].at[b_B[:, None], :, slots_BT].set(v_BTKH, mode="drop")
@@ -140,13 +141,13 @@ def write(blocked: BlockedKV, layer: int, slots_BT, k_BTKH, v_BTKH
 
 
 def read(blocked: BlockedKV, layer: int, dtype):
-  """One layer's keys [B, K, W, H, X] and values [B, K, P, H] in `dtype`."""
+  """One layer's keys [B, K, W, H, X] and values [B, K, S, H] in `dtype`."""
   return (quant.dequantize(blocked.k[layer], None, dtype),
           quant.dequantize(blocked.v[layer], None, dtype))
 
 
 def key_logits(q_BTKGH, k_BKWHX):
-  """Decode key logits [B, K, G, P] (float32, unscaled) of one query per
+  """Decode key logits [B, K, G, S] (float32, unscaled) of one query per
   sequence against blocked keys; `attention.decode_softmax_values` does the
   rest, as for the stacked cache."""
   B, _, K, G, H = q_BTKGH.shape

@@ -1,12 +1,53 @@
 """Model configuration: one frozen dataclass, validated once, with derived values.
 
-Dimension alphabet (used in every docstring, hot-path name and einsum string):
-  B batch, T query length, S key/value length (cache slots), N query heads,
-  K kv heads, G = N // K groups, H head dim, D model width, L layers,
-  V vocab, F MLP hidden, C MLA latent rank, R rope dim (MLA rotary key),
-  P MLA non-rotary (nope) query/key dim, E experts, Q MLA query latent rank,
-  W key blocks of a blocked decode cache (S / X), X slots per key block
-  (`kvjax.blocked`).
+Dimension alphabet (used in every docstring, hot-path name and einsum string;
+WORKSPACE.md has the same table). One letter, one meaning:
+
+  A  pages one paged call reads (`kvjax.paged`)
+  B  batch
+  C  MLA latent rank (`kv_lora_rank`)
+  D  model width
+  E  experts (MoE)
+  F  MLP hidden (an MoE expert's: `expert_dim`)
+  G  N // K, query heads per kv head
+  H  head dim (MLA's q/k head: P + R)
+  I  steps of a loop: decode steps and the tokens they generate, the items
+     of a `lax.map`
+  J  pages one paged call writes per row
+  K  kv heads
+  L  layers
+  M  block-table width (capacity M · Y)
+  N  query heads
+  O  MLA value head dim (`v_head_dim`)
+  P  MLA non-rotary q/k dim (`qk_nope_head_dim`)
+  Q  MLA query latent rank (`q_lora_rank`)
+  R  MLA rotary key dim (`qk_rope_head_dim`)
+  S  key/value length = cache slots
+  T  query length (new tokens in this call); a helper that flattens B·T
+     rows into one axis calls them T (tokens: `kvjax.moe`,
+     `layers.linear_t_heads`)
+  U  rows per engine prefill call
+  V  vocab
+  W  key blocks (S / X)
+  X  slots per key block (`kvjax.blocked`'s 64; KIVI's `key_group`)
+  Y  slots per page
+  Z  pages in a paged cache's pool
+
+Primes: a primed letter is another length of that letter's kind, with one
+meaning each:
+  E' experts one token picks (top-k: `experts_per_token`)
+  F' the shared experts' hidden width (F · `num_shared_experts`)
+  K' a scoped eviction policy's head axis (1 or K)
+  S' an attention call's key axis (T, S + T, S, or an attended prefix)
+  T' a token stream (a corpus; a stream evaluated in calls of T tokens)
+  Y' a pool array's entries per page on its slot axis (Y, or Y / X for
+     KIVI's key scales)
+In names and einsum strings a prime is the lowercase letter (`ids_Te`,
+'TD,TeDF->TeF'), and a local size variable `Ep`, `Kp`. K', S' and Y' are
+the K, S and Y axes at another length, so names spell them K, S and Y.
+Digits are literal sizes (`logits_B1V`: [B, 1, V]). The only other
+lowercase letters are a generic helper's placeholders, named in its
+docstring: `i`, `o` (a weight's in / out features: `kvjax.layers.linear_t`).
 
 `ConfigDict`s live at the script edge; the library takes a `ModelConfig`
 built once with `ModelConfig.from_dict`.

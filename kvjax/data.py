@@ -38,7 +38,8 @@ Batches are numpy arrays of windows of T+1 consecutive tokens (inputs are
 function of (seed, step), so a resumed run sees exactly the batches an
 uninterrupted one would.
 
-Dimension alphabet: B batch, T sequence length, N stream length (tokens).
+Dimension alphabet (`kvjax.config`): B batch, T sequence length (a window's
+inputs), T' a token stream's length.
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ def encode(text: str, *, bos: bool = False, eos: bool = False) -> np.ndarray:
     eos: append EOS.
 
   Returns:
-    int32 [N] with values in [0, 256), plus BOS/EOS where asked for.
+    int32 [T'] with values in [0, 256), plus BOS/EOS where asked for.
   """
   ids = np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
   parts = [np.array([BOS], np.int32)] if bos else []
@@ -118,7 +119,7 @@ def decode(ids) -> str:
   """Text of token ids; specials are skipped, invalid UTF-8 becomes U+FFFD.
 
   Args:
-    ids: integer array-like [N] (any int dtype; jax arrays are accepted).
+    ids: integer array-like [T'] (any int dtype; jax arrays are accepted).
 
   Returns:
     The decoded string.
@@ -298,7 +299,8 @@ def setup_corpus(data_dir: str | os.PathLike | None = None) -> pathlib.Path:
   """
   root = install_dir(data_dir).absolute()
   try:
-    import rdata  # pylint: disable=g-import-not-at-top,unused-import
+    import rdata  # pylint: disable=g-import-not-at-top
+    del rdata  # only whether it imports
   except ImportError:
     subprocess.run([sys.executable, "-m", "pip", "install", "rdata"], check=True)
   for tool in ("apt-get", "dpkg"):
@@ -357,7 +359,7 @@ def documents_to_stream(documents: Mapping[str, str]) -> np.ndarray:
   Sorting makes the stream independent of dict insertion order.
 
   Returns:
-    int32 [N].
+    int32 [T'].
   """
   if not documents:
     raise ValueError("no documents")
@@ -366,7 +368,7 @@ def documents_to_stream(documents: Mapping[str, str]) -> np.ndarray:
 
 
 class Streams(NamedTuple):
-  """Token streams of the train and validation documents, int32 [N] each."""
+  """Token streams of the train and validation documents, int32 [T'] each."""
   train: np.ndarray
   validation: np.ndarray
 
@@ -396,7 +398,7 @@ def heldout_stream(data_dir: str | os.PathLike | None = None,
   streaming perplexity and validation loss read the same tokens.
 
   Returns:
-    int32 [N] (N ~ 467 K for persuasion).
+    int32 [T'] (T' ~ 467 K for persuasion).
   """
   return documents_to_stream({name: heldout_text(data_dir, name)})
 
@@ -407,7 +409,7 @@ def heldout_stream(data_dir: str | os.PathLike | None = None,
 
 def _check_window(stream: np.ndarray, seq_len: int) -> None:
   if stream.ndim != 1:
-    raise ValueError(f"stream must be 1-D [N], got shape {stream.shape}")
+    raise ValueError(f"stream must be 1-D, got shape {stream.shape}")
   if seq_len < 1:
     raise ValueError(f"seq_len must be >= 1, got {seq_len}")
   if stream.shape[0] < seq_len + 1:
@@ -424,7 +426,7 @@ def train_batch(stream: np.ndarray, *, batch_size: int, seq_len: int,
   which steps ran before, and a resumed run replays the same data.
 
   Args:
-    stream: int32 [N] token stream.
+    stream: int32 [T'] token stream.
     batch_size: B.
     seq_len: T; each row holds T+1 tokens (inputs [:, :-1], targets [:, 1:]).
     seed: data seed (non-negative).
@@ -446,7 +448,7 @@ def eval_batches(stream: np.ndarray, *, batch_size: int, seq_len: int,
                  num_batches: int) -> np.ndarray:
   """A fixed evaluation set: evenly spaced windows across the whole stream.
 
-  No randomness: the windows start at `linspace(0, N - T - 1, num_batches*B)`,
+  No randomness: the windows start at `linspace(0, T' - T - 1, num_batches*B)`,
   so they sample the whole held-out text, and they do not overlap whenever the
   stream holds that many windows.
 

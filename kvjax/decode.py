@@ -17,7 +17,8 @@ and never asks which. RoPE's cos/sin of the next position ride in the loop
 carry (`model.decode_rope`), computed once per step rather than in every
 consumer.
 
-Dimension alphabet: B batch, V vocab, n steps of one loop.
+Dimension alphabet (`kvjax.config`): B batch, V vocab, I the n steps of one
+loop.
 """
 
 from __future__ import annotations
@@ -89,12 +90,12 @@ def attention_schedule(prompt_len: int, decode_steps: int, capacity: int,
   out, j = [], 0
   while j < decode_steps:
     need = prompt_len + j + 1
-    P = min(round_up(bucket_length(need, minimum), multiple), last)
-    if P >= capacity:
+    S = min(round_up(bucket_length(need, minimum), multiple), last)
+    if S >= capacity:
       out.append((decode_steps - j, 0))
       break
-    n = min(decode_steps - j, P - prompt_len - j)
-    out.append((n, P))
+    n = min(decode_steps - j, S - prompt_len - j)
+    out.append((n, S))
     j += n
   return tuple(out)
 
@@ -147,7 +148,7 @@ def plan(params, config: ModelConfig, policy: cache_lib.CachePolicy,
   elif not all(isinstance(params[n], (list, tuple))
                for n in ("layers", "moe_layers") if n in params):
     why = ("stacked layer params reach the cache by a traced layer index; "
-           "per-layer arrays need the decode layout (`kvjax.packed`)")
+           "per-layer arrays need the decode layout (`kvjax.pack`)")
   if decode_layout == "blocked":
     if why:
       raise ValueError(f"decode_layout='blocked': {why}")
@@ -168,8 +169,8 @@ def run(params, config: ModelConfig, tok_B, cache, xs, *,
   """Decode steps from `tok_B` [B] and `cache` (traceable; jit the caller).
 
   Args:
-    xs: per-step inputs, a pytree with leading axis n (PRNG keys, given
-      tokens), or None with `n`.
+    xs: per-step inputs, a pytree with leading axis I (n steps: PRNG keys,
+      given tokens), or None with `n`.
     choose: (logits [B, V] float32, x_i) -> the next token [B] int32.
     emit: (logits [B, V], next [B], x_i, cache) -> a pytree recorded per
       step.
@@ -180,7 +181,7 @@ def run(params, config: ModelConfig, tok_B, cache, xs, *,
     pin: (logits, cache) -> (logits, cache): sharding constraints applied
       to every step's results (generate's sharding plan).
   Returns:
-    (last token [B], new cache, records stacked on a leading n axis).
+    (last token [B], new cache, records stacked on a leading I axis).
   """
   if n is None:
     n = jax.tree_util.tree_leaves(xs)[0].shape[0]

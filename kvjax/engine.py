@@ -70,6 +70,7 @@ from kvjax import inference
 from kvjax import model
 from kvjax import packed
 from kvjax import paged as paged_lib
+from kvjax import params as params_lib
 from kvjax import prefix as prefix_lib
 from kvjax.config import ModelConfig
 from kvjax.sampling import GREEDY, Sampler
@@ -291,12 +292,12 @@ def prefill_chunk(params, config, tokens_UT, mask_UT, paged, rows_U,
   prompt's last chunk). Returns (tokens [U] int32, new cache)."""
   sub = _rows(paged, rows_U)
   vc = paged_lib.view(sub, pages)
-  logits_UT, vc = model.extend_logits(params, config, tokens_UT, mask_UT, vc,
-                                      False)
+  logits_U1V, vc = model.extend_logits(params, config, tokens_UT, mask_UT,
+                                       vc, False)
   J = min(pages, paged_lib.pages_written(tokens_UT.shape[1],
                                          paged.page_size))
   sub = paged_lib.write_back(sub, vc, sub.length, pages, J, write_UM)
-  tok_U = paged_lib.sample_rows(logits_UT[:, 0],
+  tok_U = paged_lib.sample_rows(logits_U1V[:, 0],
                                 jax.random.wrap_key_data(keys_U), sampler_U,
                                 samplers)
   return tok_U, _put_rows(paged, sub, rows_U)
@@ -386,7 +387,7 @@ class Engine:
   """Continuous batching over a paged cache (see the module docstring)."""
 
   def __init__(self, params, config: ModelConfig, spec: EngineSpec):
-    model.check_params(params, config)
+    params_lib.check_params(params, config)
     if not isinstance(spec, EngineSpec):
       raise ValueError(f"spec must be an EngineSpec, got "
                        f"{type(spec).__name__}")

@@ -72,7 +72,7 @@ def enabled() -> bool:
 @contextlib.contextmanager
 def unchecked():
   """Traces steps without the in-graph checks, to measure what they cost
-  (`kvjax.benchmarking.error_check_cost`); nothing else should use it.
+  (`kvjax.lab.benchmarking.error_check_cost`); nothing else should use it.
   Programs traced inside never set the error state. Only functions first
   traced inside the context are affected (jit caches what it traced)."""
   _TRACED_CHECKS.append(False)

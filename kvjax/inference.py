@@ -23,6 +23,7 @@ from kvjax import decode
 from kvjax import errors
 from kvjax import model
 from kvjax import packed
+from kvjax import params as params_lib
 from kvjax.config import ModelConfig
 from kvjax.sampling import GREEDY, Sampler
 from kvjax.validate import check_int
@@ -216,7 +217,7 @@ def forward(params, config: ModelConfig, tokens, attention_mask=None):
   Returns:
     logits [B, T, V] float32 (rows of padding are finite and meaningless).
   """
-  model.check_params(params, config)
+  params_lib.check_params(params, config)
   tokens = check_tokens(tokens, config)
   mask = check_mask(attention_mask, tokens)
   return _forward(params, config, jnp.asarray(tokens, jnp.int32), mask)
@@ -238,7 +239,7 @@ def prefill(params, config: ModelConfig, tokens, cache, attention_mask=None,
   Returns:
     (logits [B, V] at the last position, or [B, T, V]; new_cache)
   """
-  model.check_params(params, config)
+  params_lib.check_params(params, config)
   params = packed.for_decode(params, config)
   tokens = check_tokens(tokens, config)
   _check_cache(cache, config, tokens.shape[0])
@@ -268,7 +269,7 @@ def extend(params, config: ModelConfig, tokens, cache, attention_mask=None,
   Returns:
     (logits [B, V] or [B, T, V], new_cache)
   """
-  model.check_params(params, config)
+  params_lib.check_params(params, config)
   params = packed.for_decode(params, config)
   tokens = check_tokens(tokens, config)
   _check_cache(cache, config, tokens.shape[0])
@@ -297,7 +298,7 @@ def prefill_chunked(params, config: ModelConfig, tokens, cache,
   if (not isinstance(chunk_size, (int, np.integer)) or
       isinstance(chunk_size, bool) or chunk_size < 1):
     raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
-  model.check_params(params, config)
+  params_lib.check_params(params, config)
   params = packed.for_decode(params, config)
   tokens = check_tokens(tokens, config)
   mask = check_mask(attention_mask, tokens)
@@ -336,7 +337,7 @@ def decode_step(params, config: ModelConfig, token, cache, *,
   Returns:
     (logits [B, V] for the next token, new_cache)
   """
-  model.check_params(params, config)
+  params_lib.check_params(params, config)
   params = packed.for_decode(params, config)
   token = check_tokens(token, config, ndim=1, name="token")
   _check_cache(cache, config, token.shape[0])
@@ -369,7 +370,7 @@ def _generation_inputs(params, config, tokens, max_new_tokens, attention_mask,
   The stream may not outgrow `config.max_seq_len` unless the cache rotates
   keys by their rank in the cache (positions='cache', which stays below
   the capacity)."""
-  model.check_params(params, config)
+  params_lib.check_params(params, config)
   tokens = check_tokens(tokens, config)
   max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
   mask = check_mask(attention_mask, tokens)
@@ -406,24 +407,24 @@ def _generate(params, config, tokens, mask, cache, rng, steps, sampler,
   tok0_B = sampler(logits_BV, keys[0])
   emit = lambda logits_BV, nxt_B, key, cache: (
       nxt_B, logits_BV if return_logits else None)
-  _, cache, (toks_SB, logits_SBV) = decode.run(
+  _, cache, (toks_IB, logits_IBV) = decode.run(
       params, config, tok0_B, cache, keys[1:], choose=sampler, emit=emit,
       plan=plan, stop_tokens=stop_tokens, pad_id=pad_id, pin=pin)
   # The loop's result carries whatever sharding propagation chose for it;
   # pin it to the plan like every step's (no-op without shardings).
   cache = pin(None, cache)[1]
-  toks_BS = jnp.concatenate([tok0_B[:, None], toks_SB.T], axis=1)
+  toks_BI = jnp.concatenate([tok0_B[:, None], toks_IB.T], axis=1)
   if stop_tokens:
     # After its first stop token a sequence emits pad_id (the loop stops
     # once every sequence is done; the steps it skipped are filled here).
-    stop_BS = jnp.isin(toks_BS, jnp.asarray(stop_tokens, jnp.int32))
-    after_BS = (jnp.cumsum(stop_BS, axis=1) - stop_BS) > 0
-    toks_BS = jnp.where(after_BS, pad_id, toks_BS)
+    stop_BI = jnp.isin(toks_BI, jnp.asarray(stop_tokens, jnp.int32))
+    after_BI = (jnp.cumsum(stop_BI, axis=1) - stop_BI) > 0
+    toks_BI = jnp.where(after_BI, pad_id, toks_BI)
   if not return_logits:
-    return toks_BS, None, cache
-  logits_BSV = jnp.concatenate(
-      [logits_BV[:, None], jnp.swapaxes(logits_SBV, 0, 1)], axis=1)
-  return toks_BS, logits_BSV, cache
+    return toks_BI, None, cache
+  logits_BIV = jnp.concatenate(
+      [logits_BV[:, None], jnp.swapaxes(logits_IBV, 0, 1)], axis=1)
+  return toks_BI, logits_BIV, cache
 
 
 def memory_limit() -> int:
@@ -581,27 +582,27 @@ def lower_generate(params, config: ModelConfig, tokens, max_new_tokens: int,
 @functools.partial(jax.jit,
                    static_argnames=("config", "steps", "sampler",
                                     "return_logits"))
-def _no_cache_segment(params, config, buf_BP, mask_BP, start, keys, steps,
+def _no_cache_segment(params, config, buf_BT, mask_BT, start, keys, steps,
                       sampler, return_logits):
-  """`steps` tokens, each by a full forward over the whole P-token buffer."""
+  """`steps` tokens, each by a full forward over the whole T-token buffer."""
 
   def body(carry, xs):
-    buf_BP, mask_BP = carry
+    buf_BT, mask_BT = carry
     i, key = xs
     idx = start + i
-    logits_BPV = model.forward_logits(params, config, buf_BP, mask_BP)
-    logits_BV = jax.lax.dynamic_index_in_dim(logits_BPV, idx - 1, axis=1,
+    logits_BTV = model.forward_logits(params, config, buf_BT, mask_BT)
+    logits_BV = jax.lax.dynamic_index_in_dim(logits_BTV, idx - 1, axis=1,
                                              keepdims=False)
     tok_B = sampler(logits_BV, key)
-    buf_BP = jax.lax.dynamic_update_index_in_dim(buf_BP, tok_B, idx, axis=1)
-    mask_BP = jax.lax.dynamic_update_index_in_dim(
-        mask_BP, jnp.ones_like(tok_B, bool), idx, axis=1)
-    return (buf_BP, mask_BP), (tok_B, logits_BV if return_logits else None)
+    buf_BT = jax.lax.dynamic_update_index_in_dim(buf_BT, tok_B, idx, axis=1)
+    mask_BT = jax.lax.dynamic_update_index_in_dim(
+        mask_BT, jnp.ones_like(tok_B, bool), idx, axis=1)
+    return (buf_BT, mask_BT), (tok_B, logits_BV if return_logits else None)
 
-  (buf_BP, mask_BP), (toks_SB, logits_SBV) = jax.lax.scan(
-      body, (buf_BP, mask_BP), (jnp.arange(steps), keys))
-  return buf_BP, mask_BP, toks_SB.T, (None if logits_SBV is None else
-                                      jnp.swapaxes(logits_SBV, 0, 1))
+  (buf_BT, mask_BT), (toks_IB, logits_IBV) = jax.lax.scan(
+      body, (buf_BT, mask_BT), (jnp.arange(steps), keys))
+  return buf_BT, mask_BT, toks_IB.T, (None if logits_IBV is None else
+                                      jnp.swapaxes(logits_IBV, 0, 1))
 
 
 def generate_no_cache(params, config: ModelConfig, tokens,
@@ -630,13 +631,13 @@ def generate_no_cache(params, config: ModelConfig, tokens,
   done = 0
   while done < max_new_tokens:
     length = T + done  # tokens present before this segment's first step
-    P = min(total, bucket_length(length + 1))
-    steps = min(max_new_tokens - done, P - length)
+    width = min(total, bucket_length(length + 1))
+    steps = min(max_new_tokens - done, width - length)
     sub_buf, sub_mask, t, lg = _no_cache_segment(
-        params, config, buf[:, :P], mask[:, :P], jnp.int32(length),
+        params, config, buf[:, :width], mask[:, :width], jnp.int32(length),
         keys[done:done + steps], steps, sampler, return_logits)
-    buf = buf.at[:, :P].set(sub_buf)
-    mask = mask.at[:, :P].set(sub_mask)
+    buf = buf.at[:, :width].set(sub_buf)
+    mask = mask.at[:, :width].set(sub_mask)
     toks.append(t)
     logits.append(lg)
     done += steps

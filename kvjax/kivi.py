@@ -2,14 +2,15 @@
 
 KIVI (Liu et al. 2024) observes that key outliers live in fixed channels, so
 keys are quantized per channel (one scale per channel over a group of
-`key_group` consecutive tokens) and values per token. A group's scales need
-all of its tokens, so the newest, incomplete group is also kept in full
-precision (the residual) and attention reads it from there.
+X = `key_group` consecutive tokens: a key block, in the alphabet of
+`kvjax.config`) and values per token. A group's scales need all of its
+tokens, so the newest, incomplete group is also kept in full precision (the
+residual) and attention reads it from there.
 
 Which arrays: the key-producing ones. GQA-family: `KVCache.k` (scales
-`k_scale [L, B, K, S/g, H]`, residual `k_resid [L, B, K, g, H]`; values stay
+`k_scale [L, B, K, S/X, H]`, residual `k_resid [L, B, K, X, H]`; values stay
 per token). MLA: both latent arrays, since every key is computed from them
-— `c_kv` (`c_scale [L, B, S/g, C]`, `c_resid [L, B, g, C]`) and `k_rope`
+— `c_kv` (`c_scale [L, B, S/X, C]`, `c_resid [L, B, X, C]`) and `k_rope`
 (`r_scale`, `r_resid`, R channels). MLA's values are also computed from the
 latent, so for MLA the option quantizes the values' source per channel too.
 
@@ -30,7 +31,8 @@ Two write paths keep it:
     call's attention already is.
 
 Every function works on one (payload, scale, residual) triple of stacked
-arrays with the slot axis second to last in each layer: [L, B, ..., S, X].
+arrays with the slot axis second to last in each layer: [L, B, ..., S,
+H | C | R] (the channels last: H for GQA keys, C or R for MLA's latents).
 """
 
 from __future__ import annotations
@@ -43,13 +45,13 @@ from kvjax.cache import KVCache, scatter_tokens
 
 
 def _slot_axis(stack) -> int:
-  """Index of the slot axis of a stacked [L, B, ..., S, X] array."""
+  """Index of the slot axis of a stacked [L, B, ..., S, H | C | R] array."""
   return stack.ndim - 2
 
 
 def read(payload, scale, resid, layer, positions_BS, group: int, dtype,
          prefix: int = 0):
-  """One layer's rows [B, ..., S', X] in `dtype`: the int8 groups
+  """One layer's rows [B, ..., S', H | C | R] in `dtype`: the int8 groups
   dequantized, the newest group taken from the float32 residual. prefix > 0
   (a multiple of `group` covering every filled slot): S' = prefix."""
   S = prefix or payload.shape[-2]
@@ -67,7 +69,7 @@ def read(payload, scale, resid, layer, positions_BS, group: int, dtype,
   return jnp.where(use, tiled, x).astype(dtype)
 
 
-def _write_one(payload, scale, resid, layer, slot_B, new_BX, group: int):
+def _write_one(payload, scale, resid, layer, slot_B, new_row, group: int):
   """Decode: one row per sequence at `slot_B` (S: dropped)."""
   S = payload.shape[-2]
   B = slot_B.shape[0]
@@ -75,27 +77,27 @@ def _write_one(payload, scale, resid, layer, slot_B, new_BX, group: int):
   valid_B = slot_B < S
   j_B, group_B = slot_B % group, slot_B // group
   bcast = (B,) + (1,) * (resid.ndim - 2)
-  old = resid[layer]  # [B, ..., g, X]
+  old = resid[layer]  # [B, ..., X, H | C | R]
   # A row that opens a group clears the residual: the old group is final.
   r = jnp.where((j_B == 0).reshape(bcast), 0.0, old)
   r = jnp.moveaxis(jnp.moveaxis(r, -2, 1).at[b_B, j_B].set(
-      new_BX.astype(jnp.float32)), 1, -2)
+      new_row.astype(jnp.float32)), 1, -2)
   r = jnp.where(valid_B.reshape(bcast), r, old)
-  q, s = quant.quantize_groups(r, group, -2)  # s: [B, ..., 1, X]
-  slots_BG = jnp.where(valid_B[:, None],
+  q, s = quant.quantize_groups(r, group, -2)  # s: [B, ..., 1, H | C | R]
+  slots_BX = jnp.where(valid_B[:, None],
                        group_B[:, None] * group + jnp.arange(group)[None, :],
                        S)
   group_B1 = jnp.where(valid_B, group_B, S // group)[:, None]
   return dict(
-      payload=scatter_tokens(payload, layer, slots_BG,
+      payload=scatter_tokens(payload, layer, slots_BX,
                              jnp.moveaxis(q, -2, 1), _slot_axis(payload)),
       scale=scatter_tokens(scale, layer, group_B1, jnp.moveaxis(s, -2, 1),
                            _slot_axis(scale)),
       resid=resid.at[layer].set(r))
 
 
-def _write_many(payload, scale, resid, layer, positions_BS, slots_BT, new_BTX,
-                group: int, fresh: bool):
+def _write_many(payload, scale, resid, layer, positions_BS, slots_BT,
+                new_rows, group: int, fresh: bool):
   """Prefill / extend: several rows per sequence at `slots_BT`."""
   S = payload.shape[-2]
   B, T = slots_BT.shape
@@ -108,7 +110,7 @@ def _write_many(payload, scale, resid, layer, positions_BS, slots_BT, new_BTX,
     last_B = jnp.max(positions_BS, axis=1)
   b_BT = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
   full = jnp.moveaxis(jnp.moveaxis(full, -2, 1).at[b_BT, slots_BT].set(
-      new_BTX.astype(jnp.float32), mode="drop"), 1, -2)
+      new_rows.astype(jnp.float32), mode="drop"), 1, -2)
   written_B = jnp.max(jnp.where(slots_BT < S, slots_BT, -1), axis=1)
   newest_B = jnp.maximum(last_B, written_B)
   group_B = jnp.where(newest_B >= 0, newest_B // group, 0)
@@ -119,16 +121,16 @@ def _write_many(payload, scale, resid, layer, positions_BS, slots_BT, new_BTX,
               resid=resid.at[layer].set(r))
 
 
-def write(payload, scale, resid, layer, positions_BS, slots_BT, new_BTX, *,
+def write(payload, scale, resid, layer, positions_BS, slots_BT, new_rows, *,
           group: int, fresh: bool):
   """New (payload, scale, resid) stacks, as a dict, after writing one layer's
-  rows `new_BTX [B, T, ..., X]` at `slots_BT` (slot S: dropped). `fresh`: a
-  prefill, which takes the cache as empty."""
+  rows `new_rows` [B, T, ..., H | C | R] at `slots_BT` (slot S: dropped).
+  `fresh`: a prefill, which takes the cache as empty."""
   if slots_BT.shape[1] == 1 and not fresh:
     return _write_one(payload, scale, resid, layer, slots_BT[:, 0],
-                      new_BTX[:, 0], group)
+                      new_rows[:, 0], group)
   return _write_many(payload, scale, resid, layer, positions_BS, slots_BT,
-                     new_BTX, group, fresh)
+                     new_rows, group, fresh)
 
 
 def read_keys(cache: KVCache, layer, dtype, prefix: int = 0):

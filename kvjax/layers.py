@@ -50,10 +50,11 @@ def merge_heads_out(out_BTNH, w_NHD):
 SKINNY_ROWS = 64
 
 
-def linear_t(x, w_OI, preferred_element_type=None, *,
+def linear_t(x, w_oi, preferred_element_type=None, *,
              norm_input: bool = False):
-  """x @ w_OI.T for a weight stored [out, in] (O, I: its two dims), as in
-  the packed decode layout of `kvjax.packed`. x [..., I] -> [..., O].
+  """x @ w_oi.T for a weight stored [out, in] (o, i: placeholders for its
+  two dims), as in the packed decode layout (`kvjax.params.pack`).
+  x [..., i] -> [..., o].
 
   Why this form: for decode's few rows (batch 1 or a few sequences), XLA's
   CPU dot reads an [out, in] weight fastest as the left operand (`W @ x`:
@@ -78,38 +79,38 @@ def linear_t(x, w_OI, preferred_element_type=None, *,
   that cost work to make (the down product's SiLU, the attention's value
   product): the loop would redo that work once per weight row.
   """
-  lead, n_out = x.shape[:-1], w_OI.shape[0]
+  lead, n_out = x.shape[:-1], w_oi.shape[0]
   rows = x.reshape(-1, x.shape[-1])
   dot = lambda a, b: jnp.matmul(a, b,
                                 preferred_element_type=preferred_element_type)
   if rows.shape[0] == 1 and norm_input:
-    return dot(rows, w_OI.T).reshape(*lead, n_out)
+    return dot(rows, w_oi.T).reshape(*lead, n_out)
   if rows.shape[0] == 1:  # a matrix-vector product
-    return jax.lax.optimization_barrier(dot(w_OI, rows[0])).reshape(*lead,
+    return jax.lax.optimization_barrier(dot(w_oi, rows[0])).reshape(*lead,
                                                                   n_out)
   if rows.shape[0] > SKINNY_ROWS:
-    return dot(rows, w_OI.T).reshape(*lead, n_out)
-  return jax.lax.optimization_barrier(dot(w_OI, rows.T)).T.reshape(*lead,
+    return dot(rows, w_oi.T).reshape(*lead, n_out)
+  return jax.lax.optimization_barrier(dot(w_oi, rows.T)).T.reshape(*lead,
                                                                    n_out)
 
 
-def linear_t_heads(x, w_NOI, preferred_element_type=None):
-  """Per-head `linear_t`: x [..., N, I] times head n's [out, in] weight
-  w_NOI[n] -> [..., N, O] (MLA's absorbed W_UK and W_UV in the packed
+def linear_t_heads(x, w_Noi, preferred_element_type=None):
+  """Per-head `linear_t`: x [..., N, i] times head n's [out, in] weight
+  w_Noi[n] -> [..., N, o] (MLA's absorbed W_UK and W_UV in the packed
   layout). Same operand order and barrier as `linear_t` for up to
   `SKINNY_ROWS` rows; canonical [in, N, out] weights made XLA transpose
   both MLA weights on every decode step (19% of medium's batch-1 step).
   """
-  lead, (N, O, I) = x.shape[:-2], w_NOI.shape
-  x_BNI = x.reshape(-1, N, I)  # B: every leading row (B·T)
-  if x_BNI.shape[0] > SKINNY_ROWS:
-    return jnp.einsum("BNI,NOI->BNO", x_BNI, w_NOI,
+  lead, (N, n_out, n_in) = x.shape[:-2], w_Noi.shape
+  x_TNi = x.reshape(-1, N, n_in)  # T: every leading row (B·T tokens)
+  if x_TNi.shape[0] > SKINNY_ROWS:
+    return jnp.einsum("TNi,Noi->TNo", x_TNi, w_Noi,
                       preferred_element_type=preferred_element_type
-                      ).reshape(*lead, N, O)
-  y_NOB = jax.lax.optimization_barrier(
-      jnp.einsum("NOI,BNI->NOB", w_NOI, x_BNI,
+                      ).reshape(*lead, N, n_out)
+  y_NoT = jax.lax.optimization_barrier(
+      jnp.einsum("Noi,TNi->NoT", w_Noi, x_TNi,
                  preferred_element_type=preferred_element_type))
-  return jnp.moveaxis(y_NOB, -1, 0).reshape(*lead, N, O)
+  return jnp.moveaxis(y_NoT, -1, 0).reshape(*lead, N, n_out)
 
 
 def swiglu(x, w_gate, w_up, w_down):

@@ -3,14 +3,14 @@
 Per token the cache holds one latent c_kv [C] (RMS-normed) and one rotary
 key k_rope [R] shared by all heads, instead of per-head keys and values. Per
 head, keys are [k_nope | k_rope] with k_nope = c_kv · W_UK [C, N, P] and
-values are c_kv · W_UV [C, N, V].
+values are c_kv · W_UV [C, N, O].
 
 Two decode paths, equal up to float rounding:
-  naive     expand the cached latents to per-head K and V every step (what
-            MaxText and transformers do);
+  naive     expand the cached latents to per-head keys and values every
+            step (what MaxText and transformers do);
   absorbed  fold W_UK into the query and W_UV into the output, so attention
             runs directly over the latents ('BTNC,BSC->BNTS') and per-head
-            K/V never exist.
+            keys and values never exist.
 The no-cache forward, prefill and extend use the expanded form (a prompt's
 expansion is amortized over its T queries).
 """
@@ -21,12 +21,13 @@ import jax
 import jax.numpy as jnp
 
 from kvjax import kivi
+from kvjax import projections
 from kvjax import quant
-from kvjax.attention import (Step, compress_prompt, layer_mask, layer_slots,
-                             observe_scores, project_out)
+from kvjax.attention import (ProbeRecord, Step, compress_prompt, layer_mask,
+                             layer_slots, observe_scores)
 from kvjax.cache import LatentCache, scatter_tokens
 from kvjax.config import ModelConfig
-from kvjax.layers import apply_rope, linear_t, linear_t_heads, rms_norm
+from kvjax.layers import apply_rope, rms_norm
 
 MLA_NORM_EPS = 1e-6  # DeepSeek hard-codes the q_a / kv_a norm eps.
 
@@ -60,17 +61,17 @@ def write_latent(cache: LatentCache, layer, slots_BT, c_BTC, r_BTR, *,
 def read_latent(cache: LatentCache, layer, dtype, prefix: int = 0):
   """One layer's latents [B, S, C] and rotary keys [B, S, R] in `dtype`
   (only the first `prefix` slots when prefix > 0)."""
-  P = prefix or cache.capacity
+  S = prefix or cache.capacity
   if cache.policy.channel_keys:
     g = cache.policy.key_group
     return (kivi.read(cache.c_kv, cache.c_scale, cache.c_resid, layer,
-                      cache.positions, g, dtype, P),
+                      cache.positions, g, dtype, S),
             kivi.read(cache.k_rope, cache.r_scale, cache.r_resid, layer,
-                      cache.positions, g, dtype, P))
-  c_s = None if cache.c_scale is None else cache.c_scale[layer, :, :P]
-  r_s = None if cache.r_scale is None else cache.r_scale[layer, :, :P]
-  return (quant.dequantize(cache.c_kv[layer, :, :P], c_s, dtype),
-          quant.dequantize(cache.k_rope[layer, :, :P], r_s, dtype))
+                      cache.positions, g, dtype, S))
+  c_s = None if cache.c_scale is None else cache.c_scale[layer, :, :S]
+  r_s = None if cache.r_scale is None else cache.r_scale[layer, :, :S]
+  return (quant.dequantize(cache.c_kv[layer, :, :S], c_s, dtype),
+          quant.dequantize(cache.k_rope[layer, :, :S], r_s, dtype))
 
 
 def _softmax(logits_BNTS, mask_B1TS):
@@ -85,16 +86,12 @@ def latent_attend(p, q_nope_BTNP, q_rope_BTNR, c_BSC, r_BSR, mask_B1TS,
   latent is shared by every head).
 
   Returns:
-    out_BTNV (per-head values before the output projection), probs_BNTS.
+    out_BTNO (per-head values before the output projection), probs_BNTS.
   """
   dtype = q_nope_BTNP.dtype
   f32 = jnp.float32
-  packed = "w_uk_t" in p  # kvjax.packed: [N, C, P] and [N, V, C]
   if path == "absorbed":
-    if packed:
-      q_lat_BTNC = linear_t_heads(q_nope_BTNP, p["w_uk_t"])
-    else:
-      q_lat_BTNC = jnp.einsum("BTNP,CNP->BTNC", q_nope_BTNP, p["w_uk"])
+    q_lat_BTNC = projections.absorb_q(p, q_nope_BTNP)
     if q_lat_BTNC.shape[1] == 1:
       # Decode: latents @ queries, the cache as the dot's row-major left
       # operand (see `attention.attend`), swapped to [B, N, 1, S] after the
@@ -113,61 +110,43 @@ def latent_attend(p, q_nope_BTNP, q_rope_BTNR, c_BSC, r_BSR, mask_B1TS,
                      preferred_element_type=f32))
     probs_BNTS = _softmax(logits_BNTS * scale, mask_B1TS)
     o_lat_BTNC = jnp.einsum("BNTS,BSC->BTNC", probs_BNTS.astype(dtype), c_BSC)
-    if packed:
-      out_BTNV = linear_t_heads(o_lat_BTNC, p["w_uv_t"])
-    else:
-      out_BTNV = jnp.einsum("BTNC,CNV->BTNV", o_lat_BTNC, p["w_uv"])
+    out_BTNO = projections.absorb_out(p, o_lat_BTNC)
   else:
-    if packed:
-      k_nope_BSNP = jnp.einsum("BSC,NCP->BSNP", c_BSC, p["w_uk_t"])
-      v_BSNV = jnp.einsum("BSC,NVC->BSNV", c_BSC, p["w_uv_t"])
-    else:
-      k_nope_BSNP = jnp.einsum("BSC,CNP->BSNP", c_BSC, p["w_uk"])
-      v_BSNV = jnp.einsum("BSC,CNV->BSNV", c_BSC, p["w_uv"])
+    k_nope_BSNP, v_BSNO = projections.expand_kv(p, c_BSC)
     rope_BNTS = jnp.einsum("BTNR,BSR->BNTS", q_rope_BTNR, r_BSR,
                            preferred_element_type=f32)
     nope_BNTS = jnp.einsum("BTNP,BSNP->BNTS", q_nope_BTNP, k_nope_BSNP,
                            preferred_element_type=f32)
     probs_BNTS = _softmax((nope_BNTS + rope_BNTS) * scale, mask_B1TS)
-    out_BTNV = jnp.einsum("BNTS,BSNV->BTNV", probs_BNTS.astype(dtype), v_BSNV)
-  return out_BTNV.astype(dtype), probs_BNTS
+    out_BTNO = jnp.einsum("BNTS,BSNO->BTNO", probs_BNTS.astype(dtype), v_BSNO)
+  return out_BTNO.astype(dtype), probs_BNTS
 
 
 def mla_attention(p, x_BTD, step: Step, cache, layer, config: ModelConfig):
   """One MLA layer; same contract as `kvjax.attention.gqa_attention`.
 
-  Params: q [D,N,P+R] or (q_a [D,Q], q_a_norm [Q], q_b [Q,N,P+R]);
-  kv_a [D,C+R]; kv_a_norm [C]; w_uk [C,N,P]; w_uv [C,N,V]; o [N,V,D]; or
-  their packed forms (`kvjax.packed`: q_t / q_a_t, q_b_t, kv_a_t, w_uk_t,
-  w_uv_t, o_t).
+  Params: q [D,N,H] or (q_a [D,Q], q_a_norm [Q], q_b [Q,N,H]) (H = P + R);
+  kv_a [D,C+R]; kv_a_norm [C]; w_uk [C,N,P]; w_uv [C,N,O]; o [N,O,D]; or
+  their packed forms (`kvjax.projections`).
   """
   C, P = config.kv_lora_rank, config.qk_nope_head_dim
   dtype = x_BTD.dtype
   B, T, _ = x_BTD.shape
-  N = config.num_heads
-  if "q_a_t" in p:  # kvjax.packed: dense weights [out, in]
-    # Every input product here is fed by an RMSNorm (`norm_input`).
-    q_lat_BTQ = rms_norm(linear_t(x_BTD, p["q_a_t"], norm_input=True),
-                         p["q_a_norm"], MLA_NORM_EPS)
-    q_BTNJ = linear_t(q_lat_BTQ, p["q_b_t"],
-                      norm_input=True).reshape(B, T, N, -1)
-  elif "q_t" in p:
-    q_BTNJ = linear_t(x_BTD, p["q_t"], norm_input=True).reshape(B, T, N, -1)
-  elif "q_a" in p:
-    q_lat_BTQ = rms_norm(x_BTD @ p["q_a"], p["q_a_norm"], MLA_NORM_EPS)
-    q_BTNJ = jnp.einsum("BTQ,QNJ->BTNJ", q_lat_BTQ, p["q_b"])
+  if config.q_lora_rank:
+    q_lat_BTQ = rms_norm(projections.mla_q_a(p, x_BTD), p["q_a_norm"],
+                         MLA_NORM_EPS)
+    q_BTNH = projections.mla_q_b(p, q_lat_BTQ, config)
   else:
-    q_BTNJ = jnp.einsum("BTD,DNJ->BTNJ", x_BTD, p["q"])
-  q_nope_BTNP, q_rope_BTNR = q_BTNJ[..., :P], q_BTNJ[..., P:]
-  ckv_BTJ = (linear_t(x_BTD, p["kv_a_t"], norm_input=True) if "kv_a_t" in p
-             else x_BTD @ p["kv_a"])
-  c_BTC = rms_norm(ckv_BTJ[..., :C], p["kv_a_norm"], MLA_NORM_EPS)
-  r_BTR = ckv_BTJ[..., C:]
+    q_BTNH = projections.mla_q(p, x_BTD, config)
+  q_nope_BTNP, q_rope_BTNR = q_BTNH[..., :P], q_BTNH[..., P:]
+  ckv = projections.mla_kv_a(p, x_BTD)  # [B, T, C + R]
+  c_BTC = rms_norm(ckv[..., :C], p["kv_a_norm"], MLA_NORM_EPS)
+  r_BTR = ckv[..., C:]
   cos_q, sin_q = step.cos_q, step.sin_q
   q_rope_BTNR = apply_rope(q_rope_BTNR, cos_q[:, :, None], sin_q[:, :, None],
                            config.rope_layout)
   r_rot_BTR = apply_rope(r_BTR, cos_q, sin_q, config.rope_layout)
-  pre_rope = cache is not None and cache.policy.positions == "cache"
+  pre_rope = step.mode != "forward" and cache.policy.positions == "cache"
   r_store_BTR = r_BTR if pre_rope else r_rot_BTR
 
   path = "naive"
@@ -192,16 +171,18 @@ def mla_attention(p, x_BTD, step: Step, cache, layer, config: ModelConfig):
                            fresh=step.mode == "prefill")
 
   mask_B1TS = layer_mask(step, layer)
-  out_BTNV, probs_BNTS = latent_attend(p, q_nope_BTNP, q_rope_BTNR, c_BSC,
+  out_BTNO, probs_BNTS = latent_attend(p, q_nope_BTNP, q_rope_BTNR, c_BSC,
                                        r_BSR, mask_B1TS,
                                        config.softmax_scale, path)
-  if cache is not None and (compress or step.want_scores):
+  if isinstance(cache, ProbeRecord):
+    cache = cache.record(layer, probs_BNTS)
+  elif cache is not None and (compress or step.want_scores):
     # MLA's keys, as a scored policy sees them: the latent entry [c | r]
     # (one "kv head"); its probabilities per query head (G = 1).
-    k_B1SJ = jnp.concatenate([c_BSC, r_BSR], axis=-1)[:, None]
+    k_lat = jnp.concatenate([c_BSC, r_BSR], axis=-1)[:, None]  # [B,1,S,C+R]
     probs_BNGTS = probs_BNTS[:, :, None]
     if compress:
-      idx_B1S, cache = compress_prompt(cache, probs_BNGTS, k_B1SJ,
+      idx_B1S, cache = compress_prompt(cache, probs_BNGTS, k_lat,
                                        mask_B1TS, step, layer)
       S = cache.capacity
       idx_BS = jnp.minimum(idx_B1S[:, 0], T - 1)
@@ -210,6 +191,6 @@ def mla_attention(p, x_BTD, step: Step, cache, layer, config: ModelConfig):
       cache = write_latent(cache, layer, slots_BS, pick(c_BTC),
                            pick(r_store_BTR), fresh=True)
     else:
-      cache = observe_scores(cache, probs_BNGTS, k_B1SJ, mask_B1TS, step,
+      cache = observe_scores(cache, probs_BNGTS, k_lat, mask_B1TS, step,
                              layer)
-  return project_out(p, out_BTNV), cache
+  return projections.attn_out(p, out_BTNO, config), cache

@@ -1,229 +1,37 @@
-"""The decoder: parameters, one block, the layer scan, and the four ways of
-calling it (no-cache forward, prefill, extend, decode step).
+"""The decoder: one block, the layer scan, and the four ways of calling it
+(no-cache forward, prefill, extend, decode step).
 
-Parameters are a plain pytree; weights are stored `[in, out]` (x @ W), the
-layout training, checkpoints and the sharding table use. `kvjax.packed`
-re-lays them out for decode (fused, `[out, in]`); every function here takes
-both.
-Layers are stacked along a leading L axis and run by `jax.lax.scan`, so
-compile time does not grow with depth. DeepSeek models with dense layers
-below MoE layers have two stacks ('layers', then 'moe_layers'), scanned one
-after the other over the same cache.
-
-  params = {
-    'embed': [V, D],
-    'layers': {'attn_norm': [L, D], 'attn': {...}, 'mlp_norm': [L, D],
-               'mlp': {'gate': [L, D, F], 'up': [L, D, F], 'down': [L, F, D]}},
-    'moe_layers': {... 'mlp': kvjax.moe params} (MoE models only),
-    'final_norm': [D],
-    'lm_head': [D, V] (absent when tie_embeddings),
-  }
+Every function here takes both params layouts (`kvjax.params`: the
+canonical stacked [in, out] weights and their packed decode layout); the
+weight products that differ between them are `kvjax.projections`. Layer
+stacks (`params.stacks`) run by `jax.lax.scan`, so compile time does not
+grow with depth, or unrolled when the layout holds a tuple of per-layer
+dicts (the packed layout). DeepSeek models with dense layers below MoE
+layers have two stacks ('layers', then 'moe_layers'), run one after the
+other over the same cache.
 """
 
 from __future__ import annotations
 
-import functools
-from typing import Mapping
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from kvjax import cache as cache_lib
 from kvjax import errors
-from kvjax import packed as packed_lib
+from kvjax import moe as moe_lib
+from kvjax import params as params_lib
+from kvjax import projections
 from kvjax.attention import Step, gqa_attention
 from kvjax.config import ModelConfig
-from kvjax.layers import linear_t, rms_norm, rope_tables, swiglu
+from kvjax.layers import rms_norm, rope_tables
 from kvjax.mla import mla_attention
 
 
-# ---- parameters -------------------------------------------------------------
-def _attention_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-  D, N = config.embed_dim, config.num_heads
-  if config.attention == "mla":
-    C, R = config.kv_lora_rank, config.qk_rope_head_dim
-    P, Vh, Q = config.qk_nope_head_dim, config.v_head_dim, config.q_lora_rank
-    shapes = dict(kv_a=(D, C + R), kv_a_norm=(C,), w_uk=(C, N, P),
-                  w_uv=(C, N, Vh), o=(N, Vh, D))
-    if Q:
-      shapes.update(q_a=(D, Q), q_a_norm=(Q,), q_b=(Q, N, P + R))
-    else:
-      shapes.update(q=(D, N, P + R))
-    return shapes
-  K, H = config.num_kv_heads, config.head_dim
-  shapes = dict(q=(D, N, H), k=(D, K, H), v=(D, K, H), o=(N, H, D))
-  if config.qkv_bias:
-    shapes.update(q_bias=(N, H), k_bias=(K, H), v_bias=(K, H))
-  if config.o_bias:
-    shapes.update(o_bias=(D,))
-  return shapes
-
-
-def _is_norm(name: str) -> bool:
-  return name.endswith("norm")
-
-
-def _init_tree(shapes, key, scale, dtype, lead=()):
-  """Normal(scale) weights, ones for norms, zeros for biases."""
-  out = {}
-  keys = jax.random.split(key, len(shapes))
-  for k, (name, shape) in zip(keys, sorted(shapes.items())):
-    full = lead + shape
-    if _is_norm(name):
-      out[name] = jnp.ones(full, dtype)
-    elif name.endswith("bias"):
-      out[name] = jnp.zeros(full, dtype)
-    else:
-      out[name] = (scale * jax.random.normal(k, full, jnp.float32)).astype(
-          dtype)
-  return out
-
-
-def _block_shapes(config: ModelConfig, moe: bool):
-  D, F = config.embed_dim, config.mlp_dim
-  shapes = dict(attn_norm=(D,), mlp_norm=(D,))
-  if moe:
-    from kvjax import moe as moe_lib  # pylint: disable=g-import-not-at-top
-    mlp = moe_lib.moe_shapes(config)
-  else:
-    mlp = dict(gate=(D, F), up=(D, F), down=(F, D))
-  return shapes, _attention_shapes(config), mlp
-
-
-def init_params(config: ModelConfig, key: jax.Array):
-  """Random parameters (normal with std `config.init_scale`; norms = 1).
-
-  Returns:
-    The params pytree described in the module docstring.
-  """
-  dtype = jnp.dtype(config.param_dtype)
-  V, D, s = config.vocab_size, config.embed_dim, config.init_scale
-  k_embed, k_head, k_layers, k_moe = jax.random.split(key, 4)
-  params = dict(
-      embed=(s * jax.random.normal(k_embed, (V, D))).astype(dtype),
-      final_norm=jnp.ones((D,), dtype))
-  if not config.tie_embeddings:
-    params["lm_head"] = (s * jax.random.normal(k_head, (D, V))).astype(dtype)
-  stacks = [("layers", config.num_dense_layers, False, k_layers)]
-  if config.is_moe:
-    stacks.append(("moe_layers", config.num_layers - config.num_dense_layers,
-                   True, k_moe))
-  for name, depth, moe, k in stacks:
-    if depth == 0:
-      continue
-    norms, attn, mlp = _block_shapes(config, moe)
-    k_attn, k_mlp = jax.random.split(k)
-    block = _init_tree(norms, k, s, dtype, (depth,))
-    block["attn"] = _init_tree(attn, k_attn, s, dtype, (depth,))
-    block["mlp"] = _init_tree(mlp, k_mlp, s, dtype, (depth,))
-    params[name] = block
-  return params
-
-
-def param_count(config: ModelConfig) -> int:
-  """Number of parameters, computed with `jax.eval_shape` (no allocation)."""
-  shapes = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
-  return sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(shapes))
-
-
-@functools.lru_cache(maxsize=64)
-def _expected_param_shapes(config: ModelConfig,
-                           packed: bool = False) -> dict[str, tuple[int, ...]]:
-  init = lambda: init_params(config, jax.random.key(0))
-  if packed:
-    tree = jax.eval_shape(lambda: packed_lib.pack(init(), config))
-  else:
-    tree = jax.eval_shape(init)
-  return {jax.tree_util.keystr(path): tuple(leaf.shape) for path, leaf in
-          jax.tree_util.tree_flatten_with_path(tree)[0]}
-
-
-def _shape_fields(config: ModelConfig) -> str:
-  """The config fields that decide the parameter shapes, for error messages."""
-  names = ["vocab_size", "num_layers", "embed_dim", "num_heads", "mlp_dim"]
-  if config.attention == "mla":
-    names += ["kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
-              "v_head_dim", "q_lora_rank"]
-  else:
-    names += ["num_kv_heads", "head_dim_override", "qkv_bias", "o_bias"]
-  names.append("tie_embeddings")
-  s = ", ".join(f"{n}={getattr(config, n)}" for n in names)
-  if config.moe is not None:
-    m = config.moe
-    s += (f", experts={m.num_experts}, expert_dim={m.expert_dim}, "
-          f"shared={m.num_shared_experts}, dense_layers="
-          f"{m.first_dense_layers}")
-  return s
-
-
-def check_params(params, config: ModelConfig) -> None:
-  """Raises ValueError unless `params` has exactly the leaves and shapes that
-  `init_params(config, ...)` would build, every leaf floating point (any
-  float dtype: the block casts to the compute dtype).
-
-  Catches params built for another config, e.g. an MLA nope/rope/v split or a
-  q_lora_rank that does not match the projections, before any compute. Shapes
-  only, so it also accepts tracers and `jax.ShapeDtypeStruct`s. Packed params
-  (`kvjax.packed.pack`) are checked against the packed shapes.
-
-  Raises:
-    ValueError: params is not a mapping (e.g. None); a leaf is not floating
-      point (integer weights are never a model kvjax can run: the embedding
-      lookup and LM head would compute in integers); a leaf is missing,
-      unexpected or misshapen. Each names the leaf path.
-  """
-  if not isinstance(params, Mapping):
-    raise ValueError(f"params must be a dict of arrays, got "
-                     f"{type(params).__name__}")
-  not_float = []
-  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-    dtype = leaf.dtype if hasattr(leaf, "dtype") else np.result_type(leaf)
-    if not jnp.issubdtype(dtype, jnp.floating):
-      not_float.append(f"{jax.tree_util.keystr(path)} ({dtype})")
-  if not_float:
-    raise ValueError("params must be floating point; these leaves are not: "
-                     + ", ".join(not_float))
-  packed = packed_lib.is_packed(params)
-  if not packed and any(isinstance(params.get(n), (list, tuple))
-                        for n in ("layers", "moe_layers")):
-    raise ValueError(
-        "params hold a tuple of per-layer dicts of canonical weights, which "
-        "is not a layout kvjax runs: pass the stacked params (init_params, "
-        "load_checkpoint) or their decode layout (kvjax.pack)")
-  expected = _expected_param_shapes(config, packed)
-  leaves, _ = jax.tree_util.tree_flatten_with_path(params)
-  got = {jax.tree_util.keystr(path): tuple(np.shape(leaf))
-         for path, leaf in leaves}
-  missing = sorted(set(expected) - set(got))
-  unexpected = sorted(set(got) - set(expected))
-  if missing or unexpected:
-    raise ValueError(
-        f"params do not match the config ({_shape_fields(config)}): missing "
-        f"{missing}, unexpected {unexpected}")
-  wrong = [f"param {name} has shape {got[name]}, the config implies "
-           f"{shape}" for name, shape in expected.items()
-           if got[name] != shape]
-  if wrong:
-    raise ValueError("; ".join(wrong) +
-                     f" (config: {_shape_fields(config)})")
-
-
 # ---- the block and the layer scan -------------------------------------------
-def _mlp(p, x_BTD, config: ModelConfig):
-  if "router" in p:
-    from kvjax import moe as moe_lib  # pylint: disable=g-import-not-at-top
-    return moe_lib.moe_mlp(p, x_BTD, config)
-  if "gate_up_t" in p:  # kvjax.packed
-    gate_up_BTF = linear_t(x_BTD, p["gate_up_t"], norm_input=True)
-    F = gate_up_BTF.shape[-1] // 2
-    h_BTF = jax.nn.silu(gate_up_BTF[..., :F]) * gate_up_BTF[..., F:]
-    return linear_t(h_BTF, p["down_t"])
-  return swiglu(x_BTD, p["gate"], p["up"], p["down"])
-
-
-def block(p, x_BTD, step: Step, cache, layer, config: ModelConfig):
-  """One pre-norm decoder block. Returns (x_BTD, new_cache)."""
+def block(p, x_BTD, step: Step, cache, layer, config: ModelConfig, *,
+          moe: bool):
+  """One pre-norm decoder block; `moe`: its MLP is an MoE layer
+  (`kvjax.moe`). Returns (x_BTD, new_cache)."""
   attn_fn = mla_attention if config.attention == "mla" else gqa_attention
   dtype = config.dtype
   p = jax.tree_util.tree_map(lambda w: w.astype(dtype), p)
@@ -233,32 +41,34 @@ def block(p, x_BTD, step: Step, cache, layer, config: ModelConfig):
     x_BTD = x_BTD + a_BTD
   with jax.named_scope("mlp"):
     h_BTD = rms_norm(x_BTD, p["mlp_norm"], config.rms_norm_eps)
-    x_BTD = x_BTD + _mlp(p["mlp"], h_BTD, config)
+    if moe:
+      y_BTD = moe_lib.moe_mlp(p["mlp"], h_BTD, config)
+    else:
+      y_BTD = projections.mlp(p["mlp"], h_BTD)
+    x_BTD = x_BTD + y_BTD
   return x_BTD, cache
 
 
 def run_layers(params, x_BTD, step: Step, cache, config: ModelConfig):
   """Scans every layer stack over (x, cache); a tuple stack (the decode
-  layout, `kvjax.packed`) is unrolled instead. Returns (x_BTD, new_cache)."""
-
-  def body(carry, xs):
-    x_BTD, cache = carry
-    p, layer = xs
-    return block(p, x_BTD, step, cache, layer, config), None
-
+  layout, `kvjax.params.pack`) is unrolled instead. Returns
+  (x_BTD, new_cache)."""
   start = 0
-  for name in ("layers", "moe_layers"):
-    if name not in params:
-      continue
-    if isinstance(params[name], (list, tuple)):
-      for p in params[name]:  # static layer index: static cache slices
-        x_BTD, cache = block(p, x_BTD, step, cache, start, config)
+  for name, depth, moe in params_lib.stacks(config):
+    stack = params[name]
+    if isinstance(stack, (list, tuple)):
+      for p in stack:  # static layer index: static cache slices
+        x_BTD, cache = block(p, x_BTD, step, cache, start, config, moe=moe)
         start += 1
       continue
-    depth = jax.tree_util.tree_leaves(params[name])[0].shape[0]
+
+    def body(carry, xs, moe=moe):
+      x_BTD, cache = carry
+      p, layer = xs
+      return block(p, x_BTD, step, cache, layer, config, moe=moe), None
+
     layer_ids = jnp.arange(start, start + depth, dtype=jnp.int32)
-    (x_BTD, cache), _ = jax.lax.scan(body, (x_BTD, cache),
-                                     (params[name], layer_ids))
+    (x_BTD, cache), _ = jax.lax.scan(body, (x_BTD, cache), (stack, layer_ids))
     start += depth
   return x_BTD, cache
 
@@ -272,16 +82,7 @@ def unembed(params, x_BTD, config: ModelConfig, invalid_B=None):
   `invalid_B` [B] is True: `kvjax.errors`)."""
   x_BTD = rms_norm(x_BTD, params["final_norm"].astype(config.dtype),
                    config.rms_norm_eps, invalid_B=invalid_B)
-  if packed_lib.is_packed(params):  # [V, D]: the tied embed or lm_head_t
-    w_VD = params.get("lm_head_t", params["embed"]).astype(config.dtype)
-    return linear_t(x_BTD, w_VD, preferred_element_type=jnp.float32)
-  if "lm_head" in params:
-    w_DV = params["lm_head"].astype(config.dtype)
-    return jnp.einsum("BTD,DV->BTV", x_BTD, w_DV,
-                      preferred_element_type=jnp.float32)
-  w_VD = params["embed"].astype(config.dtype)
-  return jnp.einsum("BTD,VD->BTV", x_BTD, w_VD,
-                    preferred_element_type=jnp.float32)
+  return projections.lm_head(params, x_BTD, config)
 
 
 # ---- masks and positions (built once per call) ------------------------------

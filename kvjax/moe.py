@@ -25,16 +25,20 @@ Expert compute. Two exact, jit-friendly paths (static choice by shape):
           chosen). E/k times the FLOPs of a sparse MoE, but one batched
           einsum: the fastest option for tiny models and long prompts on CPU.
   gather  the chosen experts' weights are gathered per token
-          ([T, k, D, F]) so only k experts are read. Used when T·k < E
-          (decode with a small batch), where reading weights dominates.
+          ([T, E', D, F]) so only E' = k experts are read. Used when
+          T·k < E (decode with a small batch), where reading weights
+          dominates.
 A sort-and-segment grouped matmul (the production choice for big E) is not
 needed at the sizes kvjax measures.
 
 Params (per layer; `init_params` adds the leading L axis):
   router [D, E], score_bias [E] (noaux_tc only),
   expert_gate, expert_up [E, D, F], expert_down [E, F, D],
-  shared_gate, shared_up [D, F·S], shared_down [F·S, D] (S shared experts, if
-  any). F here is `MoEConfig.expert_dim`.
+  shared_gate, shared_up [D, F'], shared_down [F', D] (F' = F times the
+  number of shared experts, if any). F here is `MoEConfig.expert_dim`.
+
+Dimensions (`kvjax.config`): T tokens (the B·T rows flattened), E experts,
+E' the k experts one token picks (lowercase `e` in names), D, F.
 """
 
 from __future__ import annotations
@@ -57,8 +61,8 @@ def moe_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
   if m.topk_method == "noaux_tc":
     shapes["score_bias"] = (E,)
   if m.num_shared_experts:
-    Fs = F * m.num_shared_experts
-    shapes.update(shared_gate=(D, Fs), shared_up=(D, Fs), shared_down=(Fs, D))
+    Fp = F * m.num_shared_experts  # F'
+    shapes.update(shared_gate=(D, Fp), shared_up=(D, Fp), shared_down=(Fp, D))
   return shapes
 
 
@@ -69,11 +73,11 @@ def route(p, x_TD, config: ModelConfig):
     p: one MoE layer's params (`router`, optional `score_bias`).
     x_TD: normalized tokens.
   Returns:
-    (expert ids [T, k] int32, combine weights [T, k] float32)
+    (expert ids [T, E'] int32, combine weights [T, E'] float32)
   """
   m = config.moe
   T = x_TD.shape[0]
-  E, G = m.num_experts, m.num_groups
+  E, groups = m.num_experts, m.num_groups
   f32 = jnp.float32
   # Routing is discontinuous in the logits: compute them at full float32
   # precision (a TF32/bf16 matmul can flip an expert choice).
@@ -87,28 +91,30 @@ def route(p, x_TD, config: ModelConfig):
   if m.topk_method == "noaux_tc":
     choice_TE = scores_TE + p["score_bias"].astype(f32)[None, :]
   if m.topk_method in ("group_limited_greedy", "noaux_tc"):
-    grouped_TGX = choice_TE.reshape(T, G, E // G)
+    # [T, groups, E / groups] -> each group's score [T, groups] -> the
+    # best `topk_groups` groups [T, topk_groups] -> [T, groups] kept.
+    grouped = choice_TE.reshape(T, groups, E // groups)
     if m.topk_method == "group_limited_greedy":
-      group_TG = jnp.max(grouped_TGX, axis=-1)
+      group_score = jnp.max(grouped, axis=-1)
       fill = 0.0
     else:
-      group_TG = jnp.sum(jax.lax.top_k(grouped_TGX, 2)[0], axis=-1)
+      group_score = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)
       fill = -jnp.inf
-    _, best_TK = jax.lax.top_k(group_TG, m.topk_groups)
-    keep_TG = jnp.sum(jax.nn.one_hot(best_TK, G, dtype=f32), axis=1) > 0
-    keep_TE = jnp.repeat(keep_TG, E // G, axis=1)
+    _, best = jax.lax.top_k(group_score, m.topk_groups)
+    keep_group = jnp.sum(jax.nn.one_hot(best, groups, dtype=f32), axis=1) > 0
+    keep_TE = jnp.repeat(keep_group, E // groups, axis=1)
     choice_TE = jnp.where(keep_TE, choice_TE, fill)
-  chosen_TK, ids_TK = jax.lax.top_k(choice_TE, m.experts_per_token)
+  chosen_Te, ids_Te = jax.lax.top_k(choice_TE, m.experts_per_token)
   if m.topk_method == "noaux_tc":
     # The bias only steers selection; the weights use the unbiased scores.
-    weights_TK = jnp.take_along_axis(scores_TE, ids_TK, axis=1)
+    weights_Te = jnp.take_along_axis(scores_TE, ids_Te, axis=1)
   else:
-    weights_TK = chosen_TK
+    weights_Te = chosen_Te
   if m.norm_topk_prob:
-    weights_TK = weights_TK / (jnp.sum(weights_TK, axis=-1, keepdims=True)
+    weights_Te = weights_Te / (jnp.sum(weights_Te, axis=-1, keepdims=True)
                                + 1e-20)
-  weights_TK = weights_TK * m.routed_scaling_factor
-  return ids_TK.astype(jnp.int32), weights_TK
+  weights_Te = weights_Te * m.routed_scaling_factor
+  return ids_Te.astype(jnp.int32), weights_Te
 
 
 def use_gather(num_tokens: int, config: ModelConfig) -> bool:
@@ -116,7 +122,7 @@ def use_gather(num_tokens: int, config: ModelConfig) -> bool:
   return num_tokens * config.moe.experts_per_token < config.moe.num_experts
 
 
-def routed_experts(p, x_TD, ids_TK, weights_TK, config: ModelConfig,
+def routed_experts(p, x_TD, ids_Te, weights_Te, config: ModelConfig,
                    path: str | None = None):
   """Weighted sum of the chosen experts' SwiGLU outputs, [T, D].
 
@@ -126,19 +132,19 @@ def routed_experts(p, x_TD, ids_TK, weights_TK, config: ModelConfig,
   E = config.moe.num_experts
   if path is None:
     path = "gather" if use_gather(T, config) else "dense"
-  w_TK = weights_TK.astype(x_TD.dtype)
+  w_Te = weights_Te.astype(x_TD.dtype)
   if path == "gather":
-    gate_TKDF = p["expert_gate"][ids_TK]
-    up_TKDF = p["expert_up"][ids_TK]
-    down_TKFD = p["expert_down"][ids_TK]
-    h_TKF = (jax.nn.silu(jnp.einsum("TD,TKDF->TKF", x_TD, gate_TKDF)) *
-             jnp.einsum("TD,TKDF->TKF", x_TD, up_TKDF))
-    return jnp.einsum("TKF,TKFD->TD", h_TKF * w_TK[..., None], down_TKFD)
+    gate_TeDF = p["expert_gate"][ids_Te]
+    up_TeDF = p["expert_up"][ids_Te]
+    down_TeFD = p["expert_down"][ids_Te]
+    h_TeF = (jax.nn.silu(jnp.einsum("TD,TeDF->TeF", x_TD, gate_TeDF)) *
+             jnp.einsum("TD,TeDF->TeF", x_TD, up_TeDF))
+    return jnp.einsum("TeF,TeFD->TD", h_TeF * w_Te[..., None], down_TeFD)
   if path != "dense":
     raise ValueError(f"path={path!r} must be 'dense', 'gather' or None")
   # Weights of unchosen experts are exactly zero, so they add nothing.
   combine_TE = jnp.sum(
-      jax.nn.one_hot(ids_TK, E, dtype=x_TD.dtype) * w_TK[..., None], axis=1)
+      jax.nn.one_hot(ids_Te, E, dtype=x_TD.dtype) * w_Te[..., None], axis=1)
   h_TEF = (jax.nn.silu(jnp.einsum("TD,EDF->TEF", x_TD, p["expert_gate"])) *
            jnp.einsum("TD,EDF->TEF", x_TD, p["expert_up"]))
   return jnp.einsum("TEF,EFD->TD", h_TEF * combine_TE[..., None],
@@ -158,9 +164,9 @@ def moe_mlp(p, x_BTD, config: ModelConfig, path: str | None = None):
   B, T, D = x_BTD.shape
   x_TD = x_BTD.reshape(B * T, D)
   with jax.named_scope("router"):
-    ids_TK, weights_TK = route(p, x_TD, config)
+    ids_Te, weights_Te = route(p, x_TD, config)
   with jax.named_scope("experts"):
-    y_TD = routed_experts(p, x_TD, ids_TK, weights_TK, config, path)
+    y_TD = routed_experts(p, x_TD, ids_Te, weights_Te, config, path)
   if "shared_gate" in p:
     y_TD = y_TD + swiglu(x_TD, p["shared_gate"], p["shared_up"],
                          p["shared_down"])

@@ -2,8 +2,8 @@
 sequence (vLLM's PagedAttention, Kwon et al. 2023), as one more cache layout
 behind the model's cache protocol.
 
-Dimension letters, beyond the alphabet of WORKSPACE.md (P is MLA's
-non-rotary dim there, so pages are Z):
+Dimension letters (the alphabet in `kvjax.config`; P is MLA's non-rotary
+dim there, so pages are Z):
 
   Z  pages in the pool (all sequences draw from it)
   Y  slots per page (the page size)
@@ -19,16 +19,16 @@ by the page's Y slots, in the same order:
   GQA / MHA / MQA  k, v      [L, Z, K, Y, H]   (heads-first inside a page,
                    k_scale,  [L, Z, K, Y]       as the contiguous cache)
                    v_scale   (int8 per token)
-                   k_scale   [L, Z, K, Y / g, H] (KIVI per-channel keys)
+                   k_scale   [L, Z, K, Y / X, H] (KIVI keys: X = key_group)
   MLA              c_kv      [L, Z, Y, C]
                    k_rope    [L, Z, Y, R]
                    c_scale,  [L, Z, Y] (int8 per token) or
-                   r_scale   [L, Z, Y / g, C | R] (KIVI)
+                   r_scale   [L, Z, Y / X, C | R] (KIVI)
 
 Per sequence: `block_table [B, M]` (the page holding slots j·Y .. j·Y + Y - 1
 of row b, NO_PAGE = -1 where none is mapped), `length [B]`, `errors [B]`
 (`kvjax.errors`), and KIVI's float32 newest key group (`k_resid
-[L, B, K, g, H]`; MLA `c_resid`, `r_resid`), which belongs to a sequence,
+[L, B, K, X, H]`; MLA `c_resid`, `r_resid`), which belongs to a sequence,
 not to a page.
 
 Only eviction 'none' with positions 'original' is paged: slot = position,
@@ -58,7 +58,7 @@ How a call runs (one jitted function each for prefill, extend, decode):
 Decode runs k steps per view (`decode_loop`: the one decode loop,
 `kvjax.decode.run`, with generate's plan, on the view): the gather and the
 write-back are paid once per k tokens. What they cost against the
-contiguous cache is measured by `decode_step_cost`
+contiguous cache is measured by `kvjax.lab.serving.decode_step_cost`
 (experiments/serve.py).
 
 The hook that would remove the gather (not taken: kvjax.attention and
@@ -66,7 +66,7 @@ kvjax.mla belong to the cache protocol): a `PagedKV` cache kind, handled
 where `BlockedKV` is, whose `write_kv` / `write_latent` scatter the new
 tokens to (block_table[b, slot // Y], slot % Y) of layer l's pool and
 whose `read_kv` / `read_latent` gather layer l's A pages per row
-(`_gather_pages` on pool[l]) in place of the `[l, :, :, :P]` slice that
+(`_gather_pages` on pool[l]) in place of the `[l, :, :, :S]` slice that
 XLA:CPU already copies per layer before the attention products; positions
 come from the lengths as in `view`. The per-layer gather then replaces a
 copy the contiguous step makes anyway.
@@ -88,6 +88,7 @@ from kvjax import errors
 from kvjax import inference
 from kvjax import model
 from kvjax import packed
+from kvjax import params as params_lib
 from kvjax.config import ModelConfig
 from kvjax.validate import check_int
 
@@ -108,7 +109,7 @@ class PagedCache:
   """A page pool shared by B sequences, and each sequence's block table.
 
   pool: field name -> pool array ([L, Z, ..., Y', ...], the module
-    docstring; Y' = Y, or Y / key_group for KIVI key scales).
+    docstring; Y' = Y, or Y / X for KIVI key scales: X = key_group).
   block_table: [B, M] int32 page ids (NO_PAGE: unmapped).
   length: [B] int32 tokens held by each sequence (the next position).
   errors: [B] int32 error bits (`kvjax.errors`).
@@ -224,6 +225,35 @@ def identity_tables(batch: int, max_pages: int) -> np.ndarray:
   contiguous cache of M · Y slots per row amounts to)."""
   return np.arange(batch * max_pages, dtype=np.int32).reshape(batch,
                                                               max_pages)
+
+
+def from_contiguous(config: ModelConfig, cache: Cache, table: np.ndarray,
+                    page_size: int) -> PagedCache:
+  """A paged cache holding what a contiguous `cache` holds.
+
+  Args:
+    config: the model.
+    cache: a `KVCache` / `LatentCache` of A · Y slots per row (eviction
+      'none', positions 'original').
+    table: [B, A] int32 distinct page ids below B · A: row b's slots
+      [j · Y, (j + 1) · Y) go to pool page table[b, j].
+    page_size: Y.
+  Returns:
+    A `PagedCache` of B · A pages whose `view(paged, A)` equals `cache`
+    (same lengths, errors reset, KIVI residuals copied).
+  """
+  table = np.asarray(table, np.int32)
+  B, A = table.shape
+  paged = init_paged(config, B, B * A, page_size, A, cache.policy)
+  axes = _slot_axes(paged.kind)
+  in_order = jnp.asarray(np.tile(np.arange(A, dtype=np.int32), (B, 1)))
+  table_dev = jnp.asarray(table)
+  pool = {name: arr.at[:, table_dev].set(_view_pages(
+      getattr(cache, name), in_order, axes[name], A))
+          for name, arr in paged.pool.items()}
+  return paged.replace(
+      pool=pool, block_table=table_dev, length=cache.length,
+      resid={name: getattr(cache, name) for name in paged.resid})
 
 
 # ---- view and write-back (traced) -------------------------------------------
@@ -396,7 +426,7 @@ def sample_rows(logits_BV, keys_B, sampler_B, samplers: tuple):
 @functools.partial(
     jax.jit, static_argnames=("config", "pages", "steps", "samplers", "plan"),
     donate_argnames=("paged",))
-def decode_loop(params, config, token_B, paged, write_table, keys_BK,
+def decode_loop(params, config, token_B, paged, write_table, keys_BI,
                 sampler_B, valid_B, *, pages: int, steps: int,
                 samplers: tuple, plan: decode_lib.Plan = decode_lib.Plan()):
   """`steps` decode steps of every row over one view of `pages` pages, by
@@ -415,13 +445,13 @@ def decode_loop(params, config, token_B, paged, write_table, keys_BK,
     token_B: [B] the token each row feeds first.
     paged: the cache (donated).
     write_table: [B, M] (see `write_back`).
-    keys_BK: [B, steps, ...] uint32 key data (`jax.random.key_data`) of the
-      key each row samples each step with.
+    keys_BI: [B, I, ...] uint32 key data (`jax.random.key_data`) of the
+      key each row samples each of the I = `steps` steps with.
     sampler_B: [B] int32 index into `samplers` (`sample_rows`).
     valid_B: [B] int32 tokens each row keeps (<= steps).
     plan: `decode.plan` for a `steps`-step loop over A · Y slots.
   Returns:
-    (tokens [B, steps] sampled (past valid_B: discard), new cache).
+    (tokens [B, I] sampled (past valid_B: discard), new cache).
   """
   vc = view(paged, pages)
   start_B = paged.length
@@ -437,14 +467,14 @@ def decode_loop(params, config, token_B, paged, write_table, keys_BK,
         held[name] = jnp.where(idle, r, getattr(cache, name))
     return logits_BV, cache.replace(**held)
 
-  keys_KB = jnp.swapaxes(jax.random.wrap_key_data(keys_BK), 0, 1)
-  _, vc, toks_KB = decode_lib.run(
-      params, config, token_B, vc, keys_KB,
+  keys_IB = jnp.swapaxes(jax.random.wrap_key_data(keys_BI), 0, 1)
+  _, vc, toks_IB = decode_lib.run(
+      params, config, token_B, vc, keys_IB,
       choose=lambda logits_BV, key_B: sample_rows(logits_BV, key_B,
                                                   sampler_B, samplers),
       emit=lambda logits_BV, nxt_B, key_B, cache: nxt_B, plan=plan, pin=pin)
   J = min(pages, pages_written(steps, paged.page_size))
-  return toks_KB.T, write_back(paged, vc, start_B, pages, J, write_table)
+  return toks_IB.T, write_back(paged, vc, start_B, pages, J, write_table)
 
 
 def loop_plan(params, config: ModelConfig, policy: cache_lib.CachePolicy,
@@ -550,7 +580,7 @@ def prefill(params, config: ModelConfig, tokens, paged: PagedCache,
   Returns:
     (logits [B, V] at the last position, new PagedCache).
   """
-  model.check_params(params, config)
+  params_lib.check_params(params, config)
   params = packed.for_decode(params, config)
   tokens = inference.check_tokens(tokens, config)
   check_paged(paged, config, tokens.shape[0])
@@ -573,7 +603,7 @@ def extend(params, config: ModelConfig, tokens, paged: PagedCache,
   Returns:
     (logits [B, V] at the last position, new PagedCache).
   """
-  model.check_params(params, config)
+  params_lib.check_params(params, config)
   params = packed.for_decode(params, config)
   tokens = inference.check_tokens(tokens, config)
   check_paged(paged, config, tokens.shape[0])
@@ -596,7 +626,7 @@ def decode_step(params, config: ModelConfig, token, paged: PagedCache, *,
   Returns:
     (logits [B, V], new PagedCache).
   """
-  model.check_params(params, config)
+  params_lib.check_params(params, config)
   params = packed.for_decode(params, config)
   token = inference.check_tokens(token, config, ndim=1, name="token")
   check_paged(paged, config, token.shape[0])
@@ -651,95 +681,3 @@ def cache_bytes(paged: PagedCache) -> dict[str, int]:
   return dict(total=total, pool=per_page * paged.num_pages,
               per_page=per_page, allocated=per_page * len(mapped),
               used=per_page * sum(filled.values()) // paged.page_size)
-
-
-# ---- what the view costs ----------------------------------------------------
-@functools.partial(jax.jit, static_argnames=("config", "samplers", "plan"),
-                   donate_argnames=("cache",))
-def _contiguous_loop(params, config, token_B, cache, keys_BK, sampler_B,
-                     samplers: tuple, plan: decode_lib.Plan):
-  """`decode_loop`'s steps on a contiguous cache: same loop, no view."""
-  keys_KB = jnp.swapaxes(jax.random.wrap_key_data(keys_BK), 0, 1)
-  _, cache, toks_KB = decode_lib.run(
-      params, config, token_B, cache, keys_KB,
-      choose=lambda logits_BV, key_B: sample_rows(logits_BV, key_B,
-                                                  sampler_B, samplers),
-      emit=lambda logits_BV, nxt_B, key_B, cache: nxt_B, plan=plan)
-  return toks_KB.T, cache
-
-
-def decode_step_cost(params, config: ModelConfig, batch: int, context: int,
-                     page_size: int, *, steps_per_view=(1, 8), policy=None,
-                     repeats: int = 15, seed: int = 0) -> dict:
-  """Paged decode against contiguous decode, same batch, context and work.
-
-  Both caches hold `context` random tokens per row
-  (`benchmarking.filled_cache`; the pool holds the same values, its pages
-  in a random order) and read A · Y slots (the view bucket of
-  `context + steps` tokens; the contiguous cache has exactly that
-  capacity). For each n in `steps_per_view`, one jitted loop of n greedy
-  steps each, both by the one decode loop with generate's plan
-  (`loop_plan`): `decode_loop` (gather once, n steps, write back) against
-  the same n steps on the contiguous cache; timed alternately, every call
-  starting from the same context.
-
-  Returns:
-    dict: per n, the median seconds per step of each, their ratio
-    (paged / contiguous) and the spread of the per-round ratios.
-  """
-  from kvjax import benchmarking  # pylint: disable=g-import-not-at-top
-  from kvjax.sampling import GREEDY  # pylint: disable=g-import-not-at-top
-  policy = policy or cache_lib.CachePolicy()
-  params = packed.for_decode(params, config)
-  out = dict(batch=batch, context=context, page_size=page_size, runs={})
-  for n in steps_per_view:
-    A = view_pages(context + n, page_size, -(-(context + n) // page_size))
-    S = A * page_size
-    contiguous = benchmarking.filled_cache(config, batch, S, context, policy,
-                                           seed)
-    rng = np.random.default_rng(seed)
-    table = rng.permutation(batch * A).astype(np.int32).reshape(batch, A)
-    paged = init_paged(config, batch, batch * A, page_size, A, policy)
-    axes = _slot_axes(paged.kind)
-    in_order = jnp.asarray(np.tile(np.arange(A, dtype=np.int32),
-                                   (batch, 1)))
-    pool = {name: arr.at[:, jnp.asarray(table)].set(_view_pages(
-        getattr(contiguous, name), in_order, axes[name], A))
-            for name, arr in paged.pool.items()}
-    paged = paged.replace(
-        pool=pool, block_table=jnp.asarray(table), length=contiguous.length,
-        resid={name: getattr(contiguous, name) for name in paged.resid})
-    length = np.asarray(contiguous.length)  # donated leaves are consumed
-    token = jnp.zeros((batch,), jnp.int32)
-    keys = jax.random.key_data(jax.random.split(jax.random.key(seed),
-                                                (batch, n)))
-    which = jnp.zeros((batch,), jnp.int32)
-    valid = jnp.full((batch,), n, jnp.int32)
-    table_dev = jnp.asarray(table)
-    state = dict(c=contiguous, p=paged)
-    plan = loop_plan(params, config, policy, batch, A, page_size, n)
-
-    def run_contiguous():
-      toks, state["c"] = _contiguous_loop(
-          params, config, token, state["c"].replace(
-              length=jnp.asarray(length)), keys, which, (GREEDY,), plan)
-      return toks
-
-    def run_paged():
-      toks, state["p"] = decode_loop(
-          params, config, token, state["p"].replace(
-              length=jnp.asarray(length)), table_dev, keys, which, valid,
-          pages=A, steps=n, samplers=(GREEDY,), plan=plan)
-      return toks
-
-    t = benchmarking.time_alternating(
-        dict(contiguous=run_contiguous, paged=run_paged), warmup=2,
-        repeats=repeats)
-    rounds = benchmarking.paired_ratios(t["paged"].seconds,
-                                        t["contiguous"].seconds)
-    out["runs"][n] = dict(
-        slots_read=S, blocked=plan.blocked, contiguous_ms_per_step=1e3 * t["contiguous"].median / n,
-        paged_ms_per_step=1e3 * t["paged"].median / n,
-        ratio=t["paged"].median / t["contiguous"].median,
-        round_ratios=benchmarking.spread(rounds))
-  return out

@@ -77,11 +77,11 @@ def quantize_groups(x, group: int, axis: int):
   """Per-channel int8 over groups of `group` tokens (KIVI keys).
 
   Args:
-    x: [..., S, X] with the token axis at `axis` (negative, before the
-      channel axis X); S must be a multiple of `group`.
+    x: [..., S, channels] with the token axis at `axis` (negative, before
+      the channel axis); S must be a multiple of `group`.
   Returns:
-    (stored int8 like x, scale [..., S / group, X] float32): every channel of
-    every group of `group` consecutive tokens has its own scale
+    (stored int8 like x, scale [..., S / group, channels] float32): every
+    channel of every group of `group` consecutive tokens has its own scale
     max|x| / 127 over those tokens.
   """
   shape = x.shape

@@ -53,7 +53,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from kvjax import cache as cache_lib
-from kvjax import model
+from kvjax import params as params_lib
 from kvjax.config import ModelConfig
 
 MESH_AXES = ("data", "model", "seq")
@@ -103,9 +103,9 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "mlp/gate": ("embed", "mlp"),
     "mlp/up": ("embed", "mlp"),
     "mlp/down": ("mlp", "embed"),
-    # kvjax.packed: fused [out, in] weights. A fused axis mixes heads (or
-    # gate and up), so it stays replicated; the contracted axes shard as
-    # above.
+    # the packed layout (kvjax.projections): fused [out, in] weights. A
+    # fused axis mixes heads (or gate and up), so it stays replicated; the
+    # contracted axes shard as above.
     "attn/qkv_t": (None, "embed"),
     "attn/o_t": ("embed", None),
     "mlp/gate_up_t": (None, "embed"),
@@ -381,11 +381,11 @@ class ShardingPlan:
     return jax.tree_util.tree_map(place, cache, self.cache_shardings(cache))
 
   def init_params(self, key: jax.Array) -> Any:
-    """`model.init_params`, created directly in its shards (no device ever
-    holds the whole model)."""
-    shapes = jax.eval_shape(lambda k: model.init_params(self.config, k), key)
-    return jax.jit(lambda k: model.init_params(self.config, k),
-                   out_shardings=self.param_shardings(shapes))(key)
+    """`kvjax.params.init_params`, created directly in its shards (no
+    device ever holds the whole model)."""
+    init = lambda k: params_lib.init_params(self.config, k)
+    shapes = jax.eval_shape(init, key)
+    return jax.jit(init, out_shardings=self.param_shardings(shapes))(key)
 
   def init_cache(self, batch: int, capacity: int, dtype=None,
                  policy: cache_lib.CachePolicy | None = None):

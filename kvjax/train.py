@@ -1,7 +1,7 @@
-"""Training: loss, optimiser, jitted train/eval steps, checkpoints, the loop.
+"""Training: loss, optimiser, jitted train/eval steps, the loop.
 
 Dimension alphabet (as in `kvjax.config`): B batch, T sequence length,
-V vocab, D model width, L layers.
+V vocab, D model width, L layers, T' a token stream's length.
 
 Contracts:
   * A model is a `logits_fn(params, tokens [B, T] int32) -> logits [B, T, V]`;
@@ -15,7 +15,7 @@ Contracts:
     update i from `data.train_batch(..., seed, step=i)`, and nothing else is
     random, so a run resumed from a checkpoint retraces the uninterrupted one.
 
-Workdir layout written by `fit`:
+Workdir layout written by `fit` (checkpoints: `kvjax.orbax_checkpoint`):
   checkpoints/<step>/params/                 orbax, params only (for inference)
   checkpoints/<step>/train/                  orbax, {'step', 'opt_state'}
   checkpoints/<step>/model_config/model_config.json   rebuilds the model
@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import logging as pylogging
 import math
 import os
 import pathlib
@@ -43,10 +42,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 
 import kvjax
 from kvjax import data
+from kvjax import orbax_checkpoint
 
 Params = Any
 LogitsFn = Callable[[Params, jax.Array], jax.Array]
@@ -54,8 +53,6 @@ LogitsFn = Callable[[Params, jax.Array], jax.Array]
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
 CONFIG_FILE = "config.json"
-CHECKPOINT_DIR = "checkpoints"
-MODEL_CONFIG_FILE = "model_config.json"
 
 # ----------------------------------------------------------------------------
 # Configuration.
@@ -121,8 +118,8 @@ class TrainConfig:
 def model_logits_fn(model_config) -> LogitsFn:
   """`logits_fn` for a kvjax model: (params, tokens [B,T]) -> logits [B,T,V]."""
 
-  def logits_fn(params, tokens_BxT):
-    return kvjax.forward(params, model_config, tokens_BxT)
+  def logits_fn(params, tokens_BT):
+    return kvjax.forward(params, model_config, tokens_BT)
 
   return logits_fn
 
@@ -131,28 +128,30 @@ def model_logits_fn(model_config) -> LogitsFn:
 # Loss and optimiser.
 
 
-def token_nll(logits_BxTxV: jax.Array,
-              targets_BxT: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Summed next-token cross-entropy over non-PAD targets.
+def token_nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
+  """-log p(target) per token, in float32: logits [..., V], targets [...]
+  int -> [...]. The one definition of the loss: training, evaluation, the
+  streaming evaluation and the task models all use it."""
+  logits = logits.astype(jnp.float32)
+  lse = jax.nn.logsumexp(logits, axis=-1)
+  picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+  return lse - picked
 
-  Args:
-    logits_BxTxV: float logits; computed on in float32.
-    targets_BxT: int32 target ids; PAD positions are ignored.
 
-  Returns:
-    (sum of nats float32 [], number of counted targets float32 []).
-  """
-  nll_BxT = optax.softmax_cross_entropy_with_integer_labels(
-      logits_BxTxV.astype(jnp.float32), targets_BxT)
-  mask_BxT = (targets_BxT != data.PAD).astype(jnp.float32)
-  return jnp.sum(nll_BxT * mask_BxT), jnp.sum(mask_BxT)
+def masked_nll(logits_BTV: jax.Array,
+               targets_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """`token_nll` summed over non-PAD targets: (sum of nats float32 [],
+  number of counted targets float32 [])."""
+  mask_BT = (targets_BT != data.PAD).astype(jnp.float32)
+  return (jnp.sum(token_nll(logits_BTV, targets_BT) * mask_BT),
+          jnp.sum(mask_BT))
 
 
 def batch_loss(params: Params, logits_fn: LogitsFn,
-               batch_BxT1: jax.Array) -> tuple[jax.Array, jax.Array]:
+               batch: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Mean nats per target token of one [B, T+1] batch, and the target count."""
-  logits_BxTxV = logits_fn(params, batch_BxT1[:, :-1])
-  nll_sum, count = token_nll(logits_BxTxV, batch_BxT1[:, 1:])
+  logits_BTV = logits_fn(params, batch[:, :-1])
+  nll_sum, count = masked_nll(logits_BTV, batch[:, 1:])
   # max(.,1): an all-PAD batch has zero loss rather than NaN.
   return nll_sum / jnp.maximum(count, 1.0), count
 
@@ -216,7 +215,7 @@ def create_train_state(params: Params, logits_fn: LogitsFn,
 
 @functools.partial(jax.jit, donate_argnums=0)
 def train_step(state: TrainState,
-               batch_BxT1: jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
+               batch: jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
   """One AdamW update on a [B, T+1] batch.
 
   The input state is donated: its buffers are reused for the new one, so the
@@ -228,7 +227,7 @@ def train_step(state: TrainState,
   """
 
   def loss_fn(params):
-    loss, _ = batch_loss(params, state.logits_fn, batch_BxT1)
+    loss, _ = batch_loss(params, state.logits_fn, batch)
     return loss
 
   loss, grads = jax.value_and_grad(loss_fn)(state.params)
@@ -241,207 +240,28 @@ def train_step(state: TrainState,
 
 @jax.jit
 def eval_step(state: TrainState,
-              batch_BxT1: jax.Array) -> tuple[jax.Array, jax.Array]:
+              batch: jax.Array) -> tuple[jax.Array, jax.Array]:
   """(summed nats float32 [], counted targets float32 []) on a [B, T+1] batch."""
-  logits_BxTxV = state.logits_fn(state.params, batch_BxT1[:, :-1])
-  return token_nll(logits_BxTxV, batch_BxT1[:, 1:])
+  logits_BTV = state.logits_fn(state.params, batch[:, :-1])
+  return masked_nll(logits_BTV, batch[:, 1:])
 
 
-def evaluate(state: TrainState, batches_NxBxT1: np.ndarray) -> dict[str, float]:
+def evaluate(state: TrainState, batches: np.ndarray) -> dict[str, float]:
   """Token-weighted mean loss over an evaluation set.
 
   Args:
     state: the model to evaluate.
-    batches_NxBxT1: int32 [num_batches, B, T+1] (`data.eval_batches`).
+    batches: int32 [num_batches, B, T+1] (`data.eval_batches`).
 
   Returns:
     {'loss': nats per token, 'bits_per_byte': loss / ln 2, 'tokens': count}.
   """
-  sums = [eval_step(state, b) for b in batches_NxBxT1]
+  sums = [eval_step(state, b) for b in batches]
   # Sum on the host in float64: tiny per-batch sums stay exact.
   nll = sum(float(s) for s, _ in sums)
   count = sum(float(c) for _, c in sums)
   loss = nll / max(count, 1.0)
   return {"loss": loss, "bits_per_byte": loss / math.log(2), "tokens": count}
-
-
-# ----------------------------------------------------------------------------
-# Checkpoints.
-
-
-def checkpoint_manager(workdir: str | os.PathLike,
-                       keep: int = 2) -> ocp.CheckpointManager:
-  """Orbax manager over `<workdir>/checkpoints` with params/train/config items.
-
-  Saves are synchronous: checkpoints are small here, and a finished `save`
-  then means the files are on disk. Orbax writes each step to a temporary
-  directory and renames it when complete, so an interrupted save is never
-  mistaken for a checkpoint.
-  """
-  directory = pathlib.Path(workdir).absolute() / CHECKPOINT_DIR
-  return ocp.CheckpointManager(
-      directory,
-      item_handlers={
-          "params": ocp.StandardCheckpointHandler(),
-          "train": ocp.StandardCheckpointHandler(),
-          "model_config": ocp.JsonCheckpointHandler(filename=MODEL_CONFIG_FILE),
-      },
-      options=ocp.CheckpointManagerOptions(
-          max_to_keep=keep, enable_async_checkpointing=False))
-
-
-def model_config_path(manager: ocp.CheckpointManager, step: int) -> pathlib.Path:
-  """The JSON file holding the model config saved with checkpoint `step`."""
-  return (pathlib.Path(manager.directory) / str(step) / "model_config" /
-          MODEL_CONFIG_FILE)
-
-
-def save_checkpoint(manager: ocp.CheckpointManager, state: TrainState,
-                    model_config_dict: Mapping[str, Any]) -> int:
-  """Saves params, {step, opt_state} and the model config JSON; returns the step.
-
-  Raises:
-    ValueError: a checkpoint for this step already exists; it is left as is.
-  """
-  step = int(state.step)
-  if step in manager.all_steps():
-    raise ValueError(f"checkpoint {step} already exists in {manager.directory}; "
-                     "refusing to overwrite it")
-  manager.save(step, args=ocp.args.Composite(
-      params=ocp.args.StandardSave(state.params),
-      train=ocp.args.StandardSave({"step": state.step,
-                                   "opt_state": state.opt_state}),
-      model_config=ocp.args.JsonSave(dict(model_config_dict))))
-  manager.wait_until_finished()
-  return step
-
-
-def _read_model_config(path: pathlib.Path) -> dict[str, Any]:
-  if not path.is_file():
-    raise FileNotFoundError(f"{path} is missing: the checkpoint cannot be "
-                            "matched to a model config")
-  with open(path) as f:
-    return json.load(f)
-
-
-def _shape_mismatches(expected: Params, saved_metadata) -> list[str]:
-  """Differences between expected leaf shapes/dtypes and a saved params tree."""
-  want = {jax.tree_util.keystr(p): x for p, x in
-          jax.tree_util.tree_flatten_with_path(expected)[0]}
-  have = {jax.tree_util.keystr(p): x for p, x in
-          jax.tree_util.tree_flatten_with_path(saved_metadata)[0]}
-  problems = [f"{k}: missing from checkpoint" for k in sorted(set(want) - set(have))]
-  problems += [f"{k}: in checkpoint but not in model" for k in sorted(set(have) - set(want))]
-  for k in sorted(set(want) & set(have)):
-    w, h = want[k], have[k]
-    if tuple(w.shape) != tuple(h.shape) or jnp.dtype(w.dtype) != jnp.dtype(h.dtype):
-      problems.append(f"{k}: config implies {tuple(w.shape)} {jnp.dtype(w.dtype)}, "
-                      f"checkpoint holds {tuple(h.shape)} {jnp.dtype(h.dtype)}")
-  return problems
-
-
-def verify_checkpoint(manager: ocp.CheckpointManager, step: int,
-                      abstract_params: Params) -> None:
-  """Checks that the weights of checkpoint `step` have the expected shapes.
-
-  Raises:
-    ValueError: naming the model config file and every mismatching leaf.
-  """
-  saved = manager.item_metadata(step)["params"]
-  saved_tree = saved.tree if hasattr(saved, "tree") else saved
-  problems = _shape_mismatches(abstract_params, saved_tree)
-  if problems:
-    raise ValueError(
-        f"{model_config_path(manager, step)} does not match the weights in "
-        f"{pathlib.Path(manager.directory) / str(step) / 'params'}:\n  " +
-        "\n  ".join(problems))
-
-
-def restore_params(
-    workdir: str | os.PathLike,
-    step: int | None = None,
-    *,
-    config_from_dict: Callable[[Mapping[str, Any]], Any] | None = None,
-    init_fn: Callable[[Any, jax.Array], Params] | None = None,
-) -> tuple[Any, Params]:
-  """Model config and params of a checkpoint, for inference.
-
-  The config is rebuilt from the JSON saved beside the weights and checked
-  against them before anything is loaded.
-
-  Args:
-    workdir: the training workdir (holding `checkpoints/`).
-    step: which checkpoint; default the latest.
-    config_from_dict: builds the config from the JSON dict; default
-      `kvjax.ModelConfig.from_dict`.
-    init_fn: `(config, key) -> params`, traced with `jax.eval_shape` only, to
-      get the expected shapes; default `kvjax.init_params`.
-
-  Returns:
-    (model config, params pytree).
-
-  Raises:
-    FileNotFoundError: no checkpoint in `workdir`.
-    ValueError: the saved config cannot be built, or implies other shapes
-      than the saved weights hold (the message names the config file and the
-      mismatching leaves).
-  """
-  config_from_dict = config_from_dict or kvjax.ModelConfig.from_dict
-  init_fn = init_fn or kvjax.init_params
-  manager = checkpoint_manager(workdir)
-  step = manager.latest_step() if step is None else step
-  if step is None or step not in manager.all_steps():
-    raise FileNotFoundError(
-        f"no checkpoint{'' if step is None else f' {step}'} in "
-        f"{manager.directory} (have {list(manager.all_steps())})")
-  path = model_config_path(manager, step)
-  try:
-    model_config = config_from_dict(_read_model_config(path))
-  except (TypeError, ValueError) as e:
-    raise ValueError(f"{path}: cannot build a model config: {e}") from e
-  abstract = jax.eval_shape(lambda: init_fn(model_config, jax.random.key(0)))
-  verify_checkpoint(manager, step, abstract)
-  restored = manager.restore(step, args=ocp.args.Composite(
-      params=ocp.args.StandardRestore(abstract)))
-  return model_config, restored["params"]
-
-
-def _json_normalise(d: Mapping[str, Any]) -> dict[str, Any]:
-  # What the dict reads back as from JSON (tuples become lists, ...).
-  return json.loads(json.dumps(dict(d)))
-
-
-def restore_train_state(manager: ocp.CheckpointManager, step: int,
-                        state: TrainState,
-                        model_config_dict: Mapping[str, Any]) -> TrainState:
-  """Resumes `state`'s run from checkpoint `step` after verifying it.
-
-  Raises:
-    ValueError: the checkpoint belongs to another model (its config differs
-      from `model_config_dict`, or its weights from the current shapes). The
-      checkpoint is left untouched; use another workdir or delete it.
-  """
-  path = model_config_path(manager, step)
-  saved = _read_model_config(path)
-  current = _json_normalise(model_config_dict)
-  diffs = [f"{k}: checkpoint {saved.get(k, '<absent>')!r}, "
-           f"run {current.get(k, '<absent>')!r}"
-           for k in sorted(set(saved) | set(current))
-           if saved.get(k) != current.get(k)]
-  if diffs:
-    raise ValueError(
-        f"{path}: the checkpoint in {manager.directory} was trained with "
-        f"another model config; refusing to resume or overwrite it. "
-        f"Use a new --workdir. Differences:\n  " + "\n  ".join(diffs))
-  abstract = jax.eval_shape(lambda: state)
-  verify_checkpoint(manager, step, abstract.params)
-  restored = manager.restore(step, args=ocp.args.Composite(
-      params=ocp.args.StandardRestore(abstract.params),
-      train=ocp.args.StandardRestore(
-          {"step": abstract.step, "opt_state": abstract.opt_state})))
-  return state.replace(step=restored["train"]["step"],
-                       params=restored["params"],
-                       opt_state=restored["train"]["opt_state"])
 
 
 # ----------------------------------------------------------------------------
@@ -493,20 +313,44 @@ def plot_metrics(metrics_path: str | os.PathLike,
 # The loop.
 
 
-def fit(state: TrainState, *, train_tokens: np.ndarray,
-        val_batches: np.ndarray, config: TrainConfig,
-        workdir: str | os.PathLike,
-        model_config_dict: Mapping[str, Any]) -> tuple[TrainState, dict[str, Any]]:
+def austen_batches(train_tokens: np.ndarray, config: TrainConfig
+                   ) -> Callable[[int], tuple[np.ndarray]]:
+  """The batch function of a byte-stream run: update i trains on
+  `data.train_batch(train_tokens, ..., seed=config.seed, step=i)`."""
+
+  def batch_fn(i: int):
+    return (data.train_batch(train_tokens, batch_size=config.batch_size,
+                             seq_len=config.seq_len, seed=config.seed,
+                             step=i),)
+
+  return batch_fn
+
+
+def fit(state: TrainState, *, batch_fn: Callable[[int], tuple],
+        evaluate_fn: Callable[[TrainState], dict[str, float]],
+        config: TrainConfig, workdir: str | os.PathLike,
+        model_config_dict: Mapping[str, Any],
+        step_fn: Callable[..., tuple[TrainState, dict]] | None = None
+        ) -> tuple[TrainState, dict[str, Any]]:
   """Trains `state` to `config.num_steps`, resuming from `workdir` if it can.
+
+  The one training loop (the Austen models, the ablation, the task models):
+  update i runs `step_fn(state, *batch_fn(i))`, so a resumed run sees the
+  same batches; every `eval_every` steps and at the end it records
+  `evaluate_fn(state)`; every `checkpoint_every` steps it saves an orbax
+  checkpoint with the model config beside it.
 
   Args:
     state: a fresh state (step 0); if `workdir` holds a checkpoint, the run
       continues from its latest one instead (after verification).
-    train_tokens: int32 [N] training stream.
-    val_batches: int32 [num_batches, B, T+1] fixed validation set.
+    batch_fn: update index -> the step's batch arguments (a tuple).
+    evaluate_fn: state -> validation metrics ({'loss', 'bits_per_byte',
+      ...}).
     config: the run settings.
     workdir: where checkpoints, metrics.jsonl and loss.png go.
     model_config_dict: JSON-able model config, saved with every checkpoint.
+    step_fn: (state, *batch) -> (state, {'loss', 'grad_norm'}); default
+      `train_step` (one [B, T+1] array, loss on every non-PAD target).
 
   Train records in metrics.jsonl average the steps since the previous log
   of this process, so the first one after a resume that is not on a
@@ -515,13 +359,16 @@ def fit(state: TrainState, *, train_tokens: np.ndarray,
   Returns:
     (final state, final validation metrics).
   """
+  step_fn = train_step if step_fn is None else step_fn
   workdir = pathlib.Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   metrics_path = workdir / METRICS_FILE
-  manager = checkpoint_manager(workdir, keep=config.keep_checkpoints)
+  manager = orbax_checkpoint.checkpoint_manager(
+      workdir, keep=config.keep_checkpoints)
   latest = manager.latest_step()
   if latest is not None:
-    state = restore_train_state(manager, latest, state, model_config_dict)
+    state = orbax_checkpoint.restore_train_state(manager, latest, state,
+                                                 model_config_dict)
     logging.info("resumed from %s at step %d", manager.directory, latest)
   start = int(state.step)
   _truncate_metrics(metrics_path, start)
@@ -533,11 +380,10 @@ def fit(state: TrainState, *, train_tokens: np.ndarray,
   schedule = learning_rate_schedule(config)
   pending = []  # device metrics since the last log, fetched together
   t_last, steps_timed = None, 0
+  t0 = time.perf_counter()
   final = None
   for i in range(start, config.num_steps):
-    batch = data.train_batch(train_tokens, batch_size=config.batch_size,
-                             seq_len=config.seq_len, seed=config.seed, step=i)
-    state, metrics = train_step(state, batch)
+    state, metrics = step_fn(state, *batch_fn(i))
     pending.append(metrics)
     step = i + 1
     if t_last is None:
@@ -553,7 +399,7 @@ def fit(state: TrainState, *, train_tokens: np.ndarray,
       r = {"step": step, "split": "train", "loss": loss,
            "bits_per_byte": loss / math.log(2),
            "grad_norm": float(fetched[-1]["grad_norm"]),
-           "lr": float(schedule(i))}
+           "lr": float(schedule(i)), "elapsed_s": now - t0}
       eta = ""
       if steps_timed:  # none yet right after compiling or evaluating
         sec_per_step = (now - t_last) / steps_timed
@@ -566,37 +412,22 @@ def fit(state: TrainState, *, train_tokens: np.ndarray,
                    r["grad_norm"], r["lr"], eta)
       pending, t_last, steps_timed = [], now, 0
     if step % config.eval_every == 0 or step == config.num_steps:
-      final = {"step": step, "split": "validation",
-               **evaluate(state, val_batches)}
+      final = {"step": step, "split": "validation", **evaluate_fn(state)}
       record(final)
-      logging.info("step %d  validation loss %.4f  %.3f bits/byte", step,
-                   final["loss"], final["bits_per_byte"])
+      logging.info("step %d  validation %s", step, "  ".join(
+          f"{k} {v:.4f}" for k, v in final.items()
+          if k not in ("step", "split") and isinstance(v, float)))
       plot_metrics(metrics_path, workdir / PLOT_FILE)
       # Evaluation time is not training time.
       t_last, steps_timed = time.perf_counter(), 0
     if step % config.checkpoint_every == 0 or step == config.num_steps:
-      save_checkpoint(manager, state, model_config_dict)
+      orbax_checkpoint.save_checkpoint(manager, state, model_config_dict)
       t_last, steps_timed = time.perf_counter(), 0
   if final is None:  # resumed at or past num_steps: nothing left to train
     final = {"step": int(state.step), "split": "validation",
-             **evaluate(state, val_batches)}
+             **evaluate_fn(state)}
   manager.close()
   return state, final
-
-
-class _DropOrbaxInfo(pylogging.Filter):
-  """Orbax logs ~25 INFO lines per save; keep its warnings and errors only."""
-
-  def filter(self, record):
-    return (record.levelno >= pylogging.WARNING or
-            f"{os.sep}orbax{os.sep}" not in record.pathname)
-
-
-def quiet_orbax_logs() -> None:
-  """Drops orbax's INFO chatter from absl logging (idempotent)."""
-  handler = logging.get_absl_handler()
-  if not any(isinstance(f, _DropOrbaxInfo) for f in handler.filters):
-    handler.addFilter(_DropOrbaxInfo())
 
 
 def run(model_config, config: TrainConfig,
@@ -607,7 +438,7 @@ def run(model_config, config: TrainConfig,
     kvjax.data.CorpusNotFoundError: the corpus is not installed (the message
       names the install command).
   """
-  quiet_orbax_logs()
+  orbax_checkpoint.quiet_orbax_logs()
   streams = data.austen_streams(config.data_dir)
   if model_config.vocab_size != data.VOCAB_SIZE:
     raise ValueError(f"model vocab_size={model_config.vocab_size}, but byte "
@@ -632,7 +463,8 @@ def run(model_config, config: TrainConfig,
   state = create_train_state(params, model_logits_fn(model_config),
                              make_optimizer(config))
   start = time.perf_counter()
-  _, final = fit(state, train_tokens=streams.train, val_batches=val_batches,
+  _, final = fit(state, batch_fn=austen_batches(streams.train, config),
+                 evaluate_fn=lambda st: evaluate(st, val_batches),
                  config=config, workdir=workdir,
                  model_config_dict=model_config_dict)
   final["wall_s"] = time.perf_counter() - start

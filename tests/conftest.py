@@ -2,6 +2,7 @@
 persistent compilation cache), the `slow` marks of named cases
 (tests/cases.py), and the cleanup of the files xdist workers share."""
 
+import gc
 import glob
 import os
 import tempfile
@@ -77,6 +78,42 @@ def _prune_compile_cache(limit=CACHE_LIMIT_BYTES):
     total -= size
     if total <= limit // 2:
       break
+
+
+# ---- compiled programs a worker keeps ---------------------------------------
+# Every live XLA:CPU executable holds ~8 memory maps; jit caches keep every
+# program a test module compiled, so an xdist worker of the full suite
+# reaches the kernel's limit (vm.max_map_count, 65530 here) after ~40
+# minutes, and the next compile or cache read aborts the worker ("Check
+# failed ... pthread_create() failed", reproduced by filling the maps).
+# Past half the limit, the caches are cleared between test modules; the
+# programs the next module needs come back from the persistent cache.
+def _map_count() -> int:
+  try:
+    with open("/proc/self/maps", "rb") as f:
+      return f.read().count(b"\n")
+  except OSError:  # not Linux: no such limit to watch
+    return 0
+
+
+def _map_limit() -> int:
+  try:
+    with open("/proc/sys/vm/max_map_count") as f:
+      return int(f.read())
+  except (OSError, ValueError):
+    return 65530
+
+
+_MAP_LIMIT = _map_limit()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _bounded_compiled_programs():
+  yield
+  if _map_count() > _MAP_LIMIT // 2:
+    jax.clear_caches()
+    gc.collect()
+
 
 # absltest helpers (create_tempdir, ...) read absl flags; pytest never
 # parses them.

@@ -71,7 +71,6 @@ import numpy as np
 
 import kvjax
 from kvjax import inference
-from kvjax import packed as kvjax_packed
 from kvjax import sharding
 from configs import model as model_presets
 
@@ -174,7 +173,7 @@ def check_case(config, params, mesh_shape, ref, prompt, kv_fallback="seq",
   mesh = sharding.make_mesh(mesh_shape)
   p = sharding.plan(config, mesh, kv_fallback=kv_fallback)
   if layout == "packed":
-    params = kvjax_packed.pack(params, config)
+    params = kvjax.pack(params, config)
   sp = p.put_params(params)
   t0 = time.perf_counter()
   toks, logits, cache = kvjax.generate(
@@ -299,7 +298,7 @@ def run_check():
                            return_logits=True)[:2]
       print(json.dumps(check_case(config, params, (2, 4), ref, prompt,
                                   cache_kind="kivi")), flush=True)
-      # Packed decode params (kvjax.packed) shard by the same table.
+      # Packed decode params (kvjax.pack) shard by the same table.
       print(json.dumps(check_case(config, params, (2, 4), (toks, logits),
                                   prompt, layout="packed")), flush=True)
     if variant == "mqa":

@@ -5,7 +5,7 @@ import pathlib
 
 from absl.testing import absltest
 
-from kvjax import ablation
+from kvjax.lab import ablation
 from kvjax import cache as cache_lib
 from kvjax import train
 from kvjax.config import ModelConfig

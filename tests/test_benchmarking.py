@@ -1,4 +1,4 @@
-"""kvjax.benchmarking: timers, probes, bytes/FLOPs models, peak RSS.
+"""kvjax.lab.benchmarking: timers, probes, bytes/FLOPs models, peak RSS.
 
 The models are checked against independent sources: the real nbytes of
 caches and params, and the matrix leaves of the params pytree.
@@ -15,10 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import kvjax
-from kvjax import benchmarking as bm
+from kvjax.lab import benchmarking as bm
 from kvjax import inference
-from kvjax import model
-from kvjax.tolerance import assert_close
 from configs import model as model_presets
 import cases  # pylint: disable=g-bad-import-order
 

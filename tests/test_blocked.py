@@ -27,7 +27,6 @@ from kvjax import blocked
 from kvjax import cache as cache_lib
 from kvjax import inference
 from kvjax import model
-from kvjax import packed
 from kvjax import quant
 from kvjax.tolerance import assert_close
 import cases
@@ -204,7 +203,7 @@ class GenerateTest(parameterized.TestCase):
                  slow=lambda dtype: dtype != "bfloat16")
   def test_same_with_a_half_precision_cache(self, dtype):
     config = tiny("gqa")
-    params = packed.pack(tiny_params("gqa"), config)
+    params = kvjax.pack(tiny_params("gqa"), config)
     tokens = jax.random.randint(jax.random.key(2), (2, 9), 0,
                                 config.vocab_size)
     policy = cache_lib.CachePolicy(kv_dtype=dtype)
@@ -213,7 +212,7 @@ class GenerateTest(parameterized.TestCase):
 
   def test_same_with_ragged_prompts(self):
     config = tiny("gqa")
-    params = packed.pack(tiny_params("gqa"), config)
+    params = kvjax.pack(tiny_params("gqa"), config)
     tokens = jax.random.randint(jax.random.key(3), (3, 16), 0,
                                 config.vocab_size)
     mask = jnp.array([[1] * 16, [0] * 9 + [1] * 7, [0] * 15 + [1]])
@@ -225,7 +224,7 @@ class GenerateTest(parameterized.TestCase):
     # Capacity 136: the last segment attends all 136 slots, not a multiple
     # of 64, so only the first (128 slots) runs blocked. Same results.
     config = tiny("gqa")
-    params = packed.pack(tiny_params("gqa"), config)
+    params = kvjax.pack(tiny_params("gqa"), config)
     tokens = jax.random.randint(jax.random.key(4), (2, 30), 0,
                                 config.vocab_size)
     self.assertEqual(inference.attention_schedule(32, 103, 136),
@@ -276,7 +275,7 @@ class GenerateTest(parameterized.TestCase):
 def _layout(kind: str, layout: str):
   """The tiny params of `kind` canonical ('scan') or packed ('packed')."""
   params = tiny_params(kind)
-  return packed.pack(params, tiny(kind)) if layout == "packed" else params
+  return kvjax.pack(params, tiny(kind)) if layout == "packed" else params
 
 
 class DecodeRopeTest(parameterized.TestCase):

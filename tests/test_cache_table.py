@@ -1,4 +1,4 @@
-"""Published configurations and the KV-cache table (`kvjax.published`,
+"""Published configurations and the KV-cache table (`kvjax.lab.published`,
 `experiments/cache_table.py`). Shapes only: nothing here allocates a cache or
 a parameter.
 
@@ -16,10 +16,11 @@ import sys
 
 from absl.testing import absltest
 from absl.testing import parameterized
+import pytest
 
 import kvjax
 from kvjax import configs as cfg_lib
-from kvjax import published
+from kvjax.lab import published
 from configs import model as model_presets
 
 REPO = os.path.join(os.path.dirname(__file__), "..")
@@ -136,6 +137,7 @@ class CacheTableTest(parameterized.TestCase):
     self.assertTrue(any(n.startswith("Mistral-7B-v0.1: its 4096-token")
                         for n in notes))
 
+  @pytest.mark.slow  # a subprocess experiment
   def test_experiment_writes_table_json_and_png(self):
     workdir = self.create_tempdir().full_path
     subprocess.run(

@@ -26,6 +26,7 @@ KINDS = tuple({model_presets.model_dict(v, "tiny")["attention"]: v
                for v in reversed(VARIANTS)}.values())
 
 
+import cases  # pylint: disable=g-bad-import-order
 from tiny_models import tiny, tiny_params  # pylint: disable=g-bad-import-order
 
 
@@ -56,7 +57,9 @@ def compare(variant, chunk_size, capacity, policy=None):
 class ChunkedEqualsOnePassTest(chex.TestCase):
 
   # 3 does not divide 11 (the prompt is left-padded to 12); 16 is one chunk.
-  @parameterized.product(variant=VARIANTS, chunk_size=(3, 16))
+  @cases.product(variant=VARIANTS, chunk_size=(3, 16),
+                 slow=lambda variant, chunk_size: (
+                     variant not in cases.FAST_VARIANTS or chunk_size != 3))
   def test_logits_and_cache(self, variant, chunk_size):
     logits, cache, ref_logits, ref_cache = compare(variant, chunk_size, 16)
     chex.assert_shape(logits, ref_logits.shape)
@@ -67,7 +70,7 @@ class ChunkedEqualsOnePassTest(chex.TestCase):
     assert_close(cache, ref_cache, tiny(variant))
 
   # One per cache kind (KVCache, LatentCache): policies act on slots.
-  @parameterized.parameters(*KINDS)
+  @cases.product(variant=KINDS)
   def test_rolling_window_cache(self, variant):
     # Capacity 8 < 11 prompt tokens: chunks evict exactly what one pass
     # keeps, and queries see exactly the window.
@@ -77,7 +80,7 @@ class ChunkedEqualsOnePassTest(chex.TestCase):
     np.testing.assert_array_equal(cache.positions, ref_cache.positions)
     assert_close(cache, ref_cache, tiny(variant))
 
-  @parameterized.parameters(*KINDS)
+  @cases.product(variant=KINDS, slow=lambda variant: variant != "mla")
   def test_int8_cache(self, variant):
     # Chunks attend over quantized earlier chunks, one pass over float
     # keys: close, not equal; the stored cache is the same quantization.
@@ -121,7 +124,9 @@ class ChunkedStructureTest(chex.TestCase):
 
 class BadChunkTest(parameterized.TestCase):
 
-  @parameterized.parameters(0, -4, 2.5, "4", True)
+  @parameterized.named_parameters(
+      ("zero", 0), ("negative", -4), ("float", 2.5), ("str", "4"),
+      ("bool", True))
   def test_bad_chunk_size_names_the_field(self, chunk_size):
     config, params = tiny("gqa"), tiny_params("gqa")
     tokens = jnp.zeros((1, 8), jnp.int32)

@@ -21,8 +21,8 @@ from absl.testing import absltest
 import numpy as np
 import pytest
 
-from kvjax import ablation
-from kvjax import benchmarking as bm
+from kvjax.lab import ablation
+from kvjax.lab import benchmarking as bm
 from kvjax import cli
 from kvjax import data
 from configs import model as model_presets
@@ -184,7 +184,7 @@ class CheckRequestTest(absltest.TestCase):
   """generate's request, refused on the host before a model loads."""
 
   def test_counts_capacity_and_model_limit(self):
-    from kvjax import job  # pylint: disable=g-import-not-at-top
+    from kvjax.lab import job  # pylint: disable=g-import-not-at-top
     from kvjax.cache import CachePolicy  # pylint: disable=g-import-not-at-top
     ok = dict(max_new_tokens=8, batch=1, prompt_len=8)
     job.check_request(**ok)
@@ -228,7 +228,7 @@ class SinkPositionsDefaultTest(absltest.TestCase):
 
   def test_streaming_eval_names_agree(self):
     from kvjax import policies  # pylint: disable=g-import-not-at-top
-    from kvjax import streaming  # pylint: disable=g-import-not-at-top
+    from kvjax.lab import streaming  # pylint: disable=g-import-not-at-top
     names = ["sinks4", "window", "dense"] + [
         n for n, cls in policies.REGISTRY.items()
         if issubclass(cls, policies.Scored)]
@@ -496,15 +496,15 @@ class CommandLineTest(absltest.TestCase):
       self.assertFalse(os.path.exists(os.path.join(tmp, "positions.json")))
 
   def test_perplexity_curve_keeps_the_last_partial_bin(self):
+    # experiments/ is not a package: the script is imported from PYTHONPATH.
     code = (
         "import sys, json, numpy as np; sys.argv = ['x']\n"
-        f"sys.path.insert(0, {str(EXPERIMENTS)!r})\n"
         "import streaming_eval as s\n"
         "nll = np.log(np.r_[np.full(4, 2.0), np.full(4, 8.0), [4.0, 4.0]])\n"
         "x, y = s.perplexity_curve(nll[None], 4)\n"
         "print(json.dumps([x.tolist(), y.tolist()]))\n")
     env = dict(os.environ, JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join([str(ROOT)] + [
+               PYTHONPATH=os.pathsep.join([str(ROOT), str(EXPERIMENTS)] + [
                    p for p in [os.environ.get("PYTHONPATH")] if p]))
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)

@@ -12,6 +12,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import kvjax
 from kvjax import configs as cfg_lib
@@ -23,6 +24,7 @@ from configs import model as model_presets
 VARIANTS = model_presets.VARIANTS
 
 
+import cases  # pylint: disable=g-bad-import-order
 from tiny_models import tiny, tiny_params  # pylint: disable=g-bad-import-order
 
 
@@ -39,7 +41,7 @@ class ConfigTest(parameterized.TestCase):
     self.assertEqual(tiny("mqa").num_kv_heads, 1)
     self.assertEqual(tiny("gqa").groups, 2)
 
-  @parameterized.parameters(*model_presets.PRESETS)
+  @cases.product(preset=model_presets.PRESETS)
   def test_every_preset_builds_without_compute(self, preset):
     c = model_presets.get_config(preset)
     config = cfg_lib.model_config(c.model)
@@ -55,8 +57,8 @@ class ConfigTest(parameterized.TestCase):
     cfg_lib.cache_policy(c.cache)
     cfg_lib.sampler(c.generate)
 
-  @parameterized.product(preset=model_presets.PRESETS,
-                         dtype=("float32", "bfloat16", "int8"))
+  @cases.product(preset=model_presets.PRESETS,
+                 dtype=("float32", "bfloat16", "int8"))
   def test_bytes_per_token_formula_equals_real_nbytes(self, preset, dtype):
     config = cfg_lib.model_config(model_presets.get_config(preset).model)
     B, S = 3, 40
@@ -112,8 +114,8 @@ class ConfigTest(parameterized.TestCase):
 
 class CachedEqualsUncachedTest(chex.TestCase):
 
-  @parameterized.parameters(*VARIANTS)
-  def test_generate_equals_no_cache_generate(self, variant):
+  @cases.variants()
+  def test_generate_equals_no_cache_generate_and_the_forward(self, variant):
     config, params = tiny(variant), tiny_params(variant)
     tokens = prompt(2, 9)
     ids, logits, _ = kvjax.generate(params, config, tokens, 12,
@@ -124,19 +126,12 @@ class CachedEqualsUncachedTest(chex.TestCase):
     np.testing.assert_array_equal(ids, ref_ids)
     assert_close(logits, ref_logits, config)
     chex.assert_tree_all_finite(logits)
-
-  @parameterized.parameters(*VARIANTS)
-  def test_generate_logits_equal_full_forward(self, variant):
     # Teacher forcing: the logits each token was sampled from are the full
-    # forward's logits over prompt + generated tokens.
-    config, params = tiny(variant), tiny_params(variant)
-    tokens = prompt(2, 5, seed=3)
-    ids, logits, _ = kvjax.generate(params, config, tokens, 6,
-                                    return_logits=True)
+    # forward's logits over prompt + generated tokens (positions 8..19).
     full = kvjax.forward(params, config, jnp.concatenate([tokens, ids], 1))
-    assert_close(logits, full[:, 4:10], config)
+    assert_close(logits, full[:, 8:20], config)
 
-  @parameterized.parameters(*VARIANTS)
+  @cases.variants()
   def test_prefill_equals_forward(self, variant):
     config, params = tiny(variant), tiny_params(variant)
     tokens = prompt(3, 11)
@@ -149,7 +144,7 @@ class CachedEqualsUncachedTest(chex.TestCase):
                                   np.tile(np.arange(11), (3, 1)))
     self.assertTrue((np.asarray(cache.positions[:, 11:]) == -1).all())
 
-  @parameterized.parameters(*VARIANTS)
+  @cases.variants()
   def test_prefill_then_decode_equals_longer_prefill(self, variant):
     config, params = tiny(variant), tiny_params(variant)
     tokens = prompt(2, 8)
@@ -164,7 +159,7 @@ class CachedEqualsUncachedTest(chex.TestCase):
     del last
 
   @chex.variants(with_jit=True, without_jit=True)
-  @parameterized.parameters(*VARIANTS)
+  @cases.variants()
   def test_jit_and_no_jit_agree(self, variant):
     config, params = tiny(variant), tiny_params(variant)
     tokens = prompt(2, 6)
@@ -191,16 +186,20 @@ class AttendBucketsTest(chex.TestCase, parameterized.TestCase):
   (`inference.attention_schedule`): same tokens and logits as attending
   the whole capacity."""
 
-  @parameterized.parameters(
-      # Powers of two, then the last segment stops at what the generation
-      # fills (383 slots -> 384), not at the next power of two (512).
-      (128, 255, 512, 1, ((128, 256), (127, 384))),
-      (16, 300, 1024, 1, ((112, 128), (128, 256), (60, 384))),
-      # The last segment reaches the capacity: attend the whole cache.
-      (16, 149, 256, 1, ((112, 128), (37, 0))),
-      (100, 50, 4096, 32, ((28, 128), (22, 256))),
-      (1000, 2000, 4096, 1, ((24, 1024), (1024, 2048), (952, 3072))),
-      (5, 3, 16, 1, ((3, 0),)))
+  @cases.named(
+      dict(testcase_name=f"prompt{p}-steps{n}-capacity{c}-mult{m}", prompt=p,
+           steps=n, capacity=c, mult=m, expected=e) for p, n, c, m, e in (
+               # Powers of two, then the last segment stops at what the
+               # generation fills (383 slots -> 384), not at the next power
+               # of two (512).
+               (128, 255, 512, 1, ((128, 256), (127, 384))),
+               (16, 300, 1024, 1, ((112, 128), (128, 256), (60, 384))),
+               # The last segment reaches the capacity: attend the whole
+               # cache.
+               (16, 149, 256, 1, ((112, 128), (37, 0))),
+               (100, 50, 4096, 32, ((28, 128), (22, 256))),
+               (1000, 2000, 4096, 1, ((24, 1024), (1024, 2048), (952, 3072))),
+               (5, 3, 16, 1, ((3, 0),))))
   def test_schedule_covers_every_step(self, prompt, steps, capacity, mult,
                                       expected):
     sched = inference.attention_schedule(prompt, steps, capacity, mult)
@@ -215,6 +214,7 @@ class AttendBucketsTest(chex.TestCase, parameterized.TestCase):
         self.assertLessEqual(prompt + j + n, attend)
       j += n
 
+  @pytest.mark.slow  # 150 steps, twice; the schedule itself is checked above
   def test_last_segment_short_of_the_capacity_changes_nothing(self):
     config, params = tiny("gqa"), tiny_params("gqa")
     tokens = jax.random.randint(jax.random.key(3), (2, 16), 0,
@@ -227,9 +227,13 @@ class AttendBucketsTest(chex.TestCase, parameterized.TestCase):
     np.testing.assert_array_equal(outs[0][0], outs[1][0])
     assert_close(outs[0][1], outs[1][1], config)
 
-  @parameterized.product(variant=VARIANTS, kind=("float32", "int8-kivi"))
+  # Fast tier: GQA over a float cache (150 steps of every case: MLA over
+  # KIVI costs 5x as much).
+  @cases.product(variant=VARIANTS, kind=("float32", "int8-kivi"),
+                 slow=lambda variant, kind: (variant, kind) != ("gqa",
+                                                                "float32"))
   def test_buckets_change_nothing(self, variant, kind):
-    from kvjax import benchmarking as bm  # pylint: disable=g-import-not-at-top
+    from kvjax.lab import benchmarking as bm  # pylint: disable=g-import-not-at-top
     config, params = tiny(variant), tiny_params(variant)
     B, T, new = 2, 16, 150
     tokens = jax.random.randint(jax.random.key(3), (B, T), 0,
@@ -255,7 +259,7 @@ class AttendBucketsTest(chex.TestCase, parameterized.TestCase):
 
 class StructureTest(chex.TestCase):
 
-  @parameterized.parameters(*VARIANTS)
+  @cases.variants()
   def test_causality(self, variant):
     config, params = tiny(variant), tiny_params(variant)
     tokens = prompt(1, 10)
@@ -265,7 +269,7 @@ class StructureTest(chex.TestCase):
     np.testing.assert_array_equal(a[:, :6], b[:, :6])
     self.assertGreater(float(jnp.abs(a[:, 6:] - b[:, 6:]).max()), 1e-4)
 
-  @parameterized.parameters(*VARIANTS)
+  @cases.variants()
   def test_causality_by_gradient(self, variant):
     # d logit_t / d embedding_s is zero for every s > t (nanodo's check).
     config, params = tiny(variant), tiny_params(variant)
@@ -283,7 +287,7 @@ class StructureTest(chex.TestCase):
     self.assertTrue((norms_TS[upper] == 0).all(), norms_TS)
     self.assertTrue((norms_TS[~upper] > 0).all(), norms_TS)
 
-  @parameterized.parameters(*VARIANTS)
+  @cases.variants()
   def test_decode_traces_once(self, variant):
     config, params = tiny(variant), tiny_params(variant)
     traced = chex.assert_max_traces(model.decode_logits, n=1)
@@ -309,7 +313,7 @@ class StructureTest(chex.TestCase):
       _, cache = kvjax.decode_step(params, config, tok, cache)
     self.assertEqual(inference._decode._cache_size(), before + 1)
 
-  @parameterized.parameters(*VARIANTS)
+  @cases.variants()
   def test_cache_shapes_and_finiteness(self, variant):
     config, params = tiny(variant), tiny_params(variant)
     B, S = 2, 24

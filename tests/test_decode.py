@@ -12,9 +12,9 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 import kvjax
-from kvjax import benchmarking
+from kvjax.lab import benchmarking
 from kvjax import decode
-from kvjax import streaming
+from kvjax.lab import streaming
 from kvjax.tolerance import assert_close
 from tests.tiny_models import tiny, tiny_params
 

@@ -21,11 +21,13 @@ import jax
 from jax.experimental import checkify
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import kvjax
 from kvjax import errors
-from kvjax import job
+from kvjax.lab import job
 from kvjax import model
+import cases
 from tiny_models import VARIANTS, tiny, tiny_params
 
 B, S, PROMPT = 2, 8, 6
@@ -38,7 +40,7 @@ def _prompt(config, T=PROMPT, seed=0):
 
 class OverflowTest(parameterized.TestCase):
 
-  @parameterized.parameters(*VARIANTS)
+  @cases.variants()
   def test_decode_steps_past_the_capacity_in_a_scan(self, variant):
     config, params = tiny(variant), tiny_params(variant)
 
@@ -62,7 +64,7 @@ class OverflowTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, r"overflow.*sequences 0, 1"):
       kvjax.decode_step(params, config, jnp.ones((B,), jnp.int32), cache)
 
-  @parameterized.parameters(*VARIANTS)
+  @cases.variants()
   def test_extend_past_the_capacity_under_jit(self, variant):
     config, params = tiny(variant), tiny_params(variant)
     _, cache = kvjax.prefill(params, config, _prompt(config),
@@ -123,7 +125,10 @@ class OverflowTest(parameterized.TestCase):
 
 class BadInputUnderJitTest(parameterized.TestCase):
 
-  @parameterized.product(variant=VARIANTS, bad_id=(-1, 1000))
+  @cases.named(
+      (dict(testcase_name=f"{v}-{'negative' if i < 0 else 'past_vocab'}_id",
+            variant=v, bad_id=i) for v in VARIANTS for i in (-1, 1000)),
+      slow=lambda variant, bad_id: variant not in cases.FAST_VARIANTS)
   def test_out_of_range_ids(self, variant, bad_id):
     config, params = tiny(variant), tiny_params(variant)
     tokens = np.asarray(_prompt(config)).copy()
@@ -137,7 +142,7 @@ class BadInputUnderJitTest(parameterized.TestCase):
                                 r"token id out of range.*sequence 1"):
       kvjax.decode_step(params, config, jnp.ones((B,), jnp.int32), cache)
 
-  @parameterized.parameters("gqa", "mla")
+  @cases.variants(("gqa", "mla"))
   def test_invalid_masks(self, variant):
     config, params = tiny(variant), tiny_params(variant)
     mask = np.ones((3, PROMPT), bool)
@@ -206,7 +211,7 @@ class NonFiniteTest(parameterized.TestCase):
       self.assertIn(int(ids[1]), (0, 1, 2))
     np.testing.assert_array_equal(kvjax.GREEDY(logits, None)[1], 1)
 
-  @parameterized.parameters("gqa", "mla")
+  @cases.variants(("gqa", "mla"), fast=("gqa",))
   def test_generate_and_no_cache_raise(self, variant):
     config, params = tiny(variant), self._nan_params(variant)
     with self.assertRaisesRegex(ValueError, "non-finite logits"):
@@ -222,6 +227,7 @@ class NonFiniteTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "non-finite logits"):
       kvjax.generate(params, config, _prompt(config), 4)
 
+  @pytest.mark.slow  # the main job's compile; generate's check is above
   def test_main_job_cannot_verify_nan_output(self):
     config = kvjax.ModelConfig(vocab_size=64, num_layers=2, embed_dim=32,
                                num_heads=4, num_kv_heads=2, mlp_dim=64)

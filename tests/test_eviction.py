@@ -30,12 +30,11 @@ import kvjax
 from kvjax import cache as cache_lib
 from kvjax import configs as configs_lib
 from kvjax import model as kvmodel
-from kvjax import streaming
-from kvjax.attention import Step
-from kvjax.layers import rope_tables
+from kvjax.lab import streaming
 from kvjax.tolerance import assert_close
 
 from configs import model as presets  # pylint: disable=g-import-not-at-top,wrong-import-position
+import references  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
@@ -91,32 +90,10 @@ def _tokens(config, shape, seed=1):
 
 
 # ---- references written independently of kvjax.cache ---------------------
-def _causal(n):
-  q, k = np.arange(n)[:, None], np.arange(n)[None, :]
-  return q, k, k <= q
-
-
-def _window_mask(n, capacity):
-  q, k, causal = _causal(n)
-  return causal & (k > q - capacity)
-
-
-def _sinks_mask(n, capacity, sinks):
-  q, k, causal = _causal(n)
-  return causal & ((k < sinks) | (k > q - (capacity - sinks)))
-
-
-@functools.partial(jax.jit, static_argnames="config")
-def _masked_forward(params, config, tokens_BN, mask_NN):
-  """No-cache forward at positions 0..N-1 with an explicit [N, N] mask."""
-  b, n = tokens_BN.shape
-  pos_BN = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
-  cos, sin = rope_tables(config, pos_BN)
-  step = Step(q_pos=pos_BN, mask=jnp.broadcast_to(mask_NN, (b, n, n)),
-              cos_q=cos, sin_q=sin, mode="forward")
-  x_BND, _ = kvmodel.run_layers(
-      params, kvmodel.embed(params, tokens_BN, config), step, None, config)
-  return kvmodel.unembed(params, x_BND, config)
+_causal = references.causal
+_window_mask = references.window_mask
+_sinks_mask = references.sinks_mask
+_masked_forward = references.masked_forward
 
 
 def _simulate(policy, capacity, total):

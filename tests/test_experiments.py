@@ -18,6 +18,7 @@ import tempfile
 
 from absl.testing import absltest
 import numpy as np
+import pytest
 
 import kvjax
 from kvjax.tolerance import assert_close, tolerance
@@ -29,9 +30,9 @@ SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "experiments", "*.py")))
 # it: then it gives one-line errors, --show_config and quiet logs too).
 CLI_SCRIPTS = sorted(
     os.path.join(ROOT, "experiments", f"{name}.py") for name in (
-        "ablate", "benchmark", "cache_table", "decode_layout",
-        "error_check_cost", "generate", "memory_growth", "peer_benchmark",
-        "serve", "streaming_eval", "task_eval", "train"))
+        "ablate", "attention_map", "benchmark", "cache_table",
+        "decode_layout", "error_check_cost", "generate", "memory_growth",
+        "peer_benchmark", "serve", "streaming_eval", "task_eval", "train"))
 
 
 class ExperimentsImportTest(absltest.TestCase):
@@ -68,6 +69,7 @@ class ExperimentsImportTest(absltest.TestCase):
                        r"--\w+ is required)", name)
 
 
+@pytest.mark.slow  # subprocesses that import torch and transformers
 class PeerBenchmarkTest(absltest.TestCase):
   """The peer benchmark end to end on the tiny preset (torch and
   transformers come with the test extra)."""
@@ -119,6 +121,43 @@ class PeerBenchmarkTest(absltest.TestCase):
     self.assertNotEqual(proc.returncode, 0)
     self.assertIn("--batches=1,0", proc.stderr)
     self.assertNotIn("params; torch", proc.stderr)
+
+
+@pytest.mark.slow  # a subprocess that compiles the probe
+class AttentionMapTest(absltest.TestCase):
+  """The attention map end to end on a tiny random MLA model (MLA: the
+  probe's per-query-head probabilities of the latent attention)."""
+
+  def test_tiny_random_run_writes_json_and_pngs(self):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    with tempfile.TemporaryDirectory() as tmp:
+      proc = subprocess.run(
+          [sys.executable, os.path.join(ROOT, "experiments",
+                                        "attention_map.py"),
+           "--random", "--config=configs/model.py:mla-tiny",
+           "--text=It is a truth universally acknowledged, that a single "
+           "man in possession of a good fortune", "--length=32",
+           "--windows=2", "--sink_k=1,3", f"--workdir={tmp}"],
+          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+      self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+      with open(os.path.join(tmp, "attention_map.json")) as f:
+        out = json.load(f)
+      for png in ("attention_map.png", "attention_stats.png"):
+        self.assertGreater(os.path.getsize(os.path.join(tmp, png)), 0, png)
+    L, N, T = 2, 4, 32  # mla-tiny; 2 windows of 32 bytes
+    self.assertEqual((out["tokens"]["windows"], out["tokens"]["length"]),
+                     (2, T))
+    self.assertEqual(out["min_query"], T // 2)
+    self.assertEqual(sorted(out["sink_mass"]), ["1", "3"])
+    sink = np.asarray(out["sink_mass"]["1"])
+    self.assertEqual(sink.shape, (L, N))
+    self.assertTrue(((sink > 0) & (sink < 1)).all())
+    q = np.arange(T // 2, T)
+    assert_close(out["sink_mass_uniform"]["1"], np.mean(1 / (q + 1)),
+                 compute="float64")
+    self.assertEqual(np.asarray(out["entropy"]).shape, (L, N))
+    self.assertEqual(np.asarray(out["distance_profile"]).shape, (L, N, T))
+    self.assertLen(out["per_layer"], L)
 
 
 if __name__ == "__main__":

@@ -4,15 +4,17 @@ import os
 
 from absl.testing import absltest
 import numpy as np
+import pytest
 
 import kvjax
 from kvjax import data
-from kvjax import job
+from kvjax.lab import job
 from kvjax.config import ModelConfig
 
 
 class JobTest(absltest.TestCase):
 
+  @pytest.mark.slow  # the shipped model (D 256): two compiles of its size
   def test_shipped_model_loads_and_cached_equals_no_cache(self):
     self.assertTrue(os.path.isdir(job.SHIPPED_MODEL), job.SHIPPED_MODEL)
     loaded = job.load_model(trained=job.SHIPPED_MODEL)
@@ -41,6 +43,7 @@ class JobTest(absltest.TestCase):
     self.assertGreater(r["decode_tokens_per_s"], 0)
     self.assertIn("EQUAL", job.format_report(r))
 
+  @pytest.mark.slow  # the shipped model again, packed
   def test_params_run_as_loaded_in_their_decode_layout(self):
     # The shipped model (D 256) decodes packed without being asked; a
     # narrower model keeps the layer scan (`packed.PACK_MIN_WIDTH`).

@@ -24,6 +24,7 @@ from kvjax import model
 from kvjax import quant
 from kvjax import sharding
 from kvjax.tolerance import assert_close, tolerance
+import cases
 from tiny_models import tiny, tiny_params
 
 GROUP, S, B = 4, 32, 2
@@ -43,9 +44,11 @@ def prefill_then_decode(variant, policy, tokens, n_prompt, mask=None):
   batch = tokens.shape[0]
   cache = kvjax.init_cache(config, batch, S, policy=policy)
   mask = jnp.ones((batch, n_prompt), bool) if mask is None else mask
+  # Both jitted: an eager prefill compiles each of its ops on its own.
+  prefill = jax.jit(model.prefill_logits, static_argnums=(1, 5))
   step = jax.jit(model.decode_logits, static_argnums=1)
-  logits, cache = model.prefill_logits(params, config, tokens[:, :n_prompt],
-                                       mask, cache, False)
+  logits, cache = prefill(params, config, tokens[:, :n_prompt], mask, cache,
+                          False)
   out = [logits[:, 0]]
   for t in range(n_prompt, tokens.shape[1]):
     logits, cache = step(params, config, tokens[:, t], cache)
@@ -160,8 +163,11 @@ class QuantizeGroupsTest(parameterized.TestCase):
 
 class KiviCacheTest(chex.TestCase, parameterized.TestCase):
 
-  @parameterized.product(variant=("gqa", "mha", "mqa", "mla"),
-                         n_prompt=(3, 4, 9))
+  # Fast tier: a GQA prompt of two whole groups and one token, an MLA prompt
+  # inside its first group.
+  @cases.product(variant=("gqa", "mha", "mqa", "mla"), n_prompt=(3, 4, 9),
+                 slow=lambda variant, n_prompt: (variant, n_prompt) not in (
+                     ("gqa", 9), ("mla", 3)))
   def test_decode_keeps_the_invariant(self, variant, n_prompt):
     config = tiny(variant)
     n = 19
@@ -174,7 +180,8 @@ class KiviCacheTest(chex.TestCase, parameterized.TestCase):
     # Keys within int8 per-channel rounding: logits stay close to float32.
     assert_close(got_logits, ref_logits, config, cache="int8")
 
-  @parameterized.product(chunk=(1, 3, 5), variant=("gqa", "mla"))
+  @cases.product(chunk=(1, 3, 5), variant=("gqa", "mla"),
+                 slow=lambda chunk, variant: (chunk, variant) != (3, "gqa"))
   def test_chunked_prefill_keeps_the_invariant(self, chunk, variant):
     config, params = tiny(variant), tiny_params(variant)
     n = 13  # chunks of 3 and 5 straddle the groups of 4
@@ -186,7 +193,8 @@ class KiviCacheTest(chex.TestCase, parameterized.TestCase):
         chunk)
     assert_invariant(self, cache, ref, [n] * B)
 
-  @parameterized.parameters("gqa", "mla")
+  # Slow tier: test_ragged.py checks left padding in the fast tier.
+  @cases.variants(("gqa", "mla"), fast=())
   def test_ragged_left_padded_batch(self, variant):
     config = tiny(variant)
     tokens = _tokens(config, 14, batch=3)
@@ -230,7 +238,7 @@ class KiviCacheTest(chex.TestCase, parameterized.TestCase):
                                  policy=policy, return_cache=True)
     self.assertEqual(cache.capacity, 48)  # the power of two 16, rounded up
 
-  @parameterized.parameters("gqa", "mla")
+  @cases.variants(("gqa", "mla"))
   def test_sharding_axes_cover_the_new_fields(self, variant):
     cache = kvjax.init_cache(tiny(variant), B, S, policy=KIVI)
     axes = sharding.cache_axes(cache)

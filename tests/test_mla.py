@@ -21,11 +21,13 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import kvjax
 from kvjax import mla
 from kvjax import model
-from kvjax import published
+from kvjax import params as params_lib
+from kvjax.lab import published
 from kvjax.tolerance import assert_close
 from configs import model as model_presets
 import cases  # pylint: disable=g-bad-import-order
@@ -143,9 +145,11 @@ class MLALayerTest(chex.TestCase):
 
   # jit only: test_core checks jit == no jit for every variant, and eager
   # op-by-op dispatch would double this test's cost.
-  @parameterized.named_parameters(
-      (name(config(q_lora=q, layout=lay)), q, lay)
-      for q in (0, Q_LORA) for lay in ("interleaved", "half"))
+  # Fast tier: direct q with interleaved RoPE, q_lora with half RoPE.
+  @cases.named(
+      (dict(testcase_name=name(config(q_lora=q, layout=lay)), q_lora=q,
+            layout=lay) for q in (0, Q_LORA) for lay in ("interleaved", "half")),
+      slow=lambda q_lora, layout: (q_lora == 0) != (layout == "interleaved"))
   def test_layer_equals_reference(self, q_lora, layout):
     c = config(q_lora=q_lora, layout=layout)
     p = layer0(params_for(q_lora))
@@ -186,9 +190,12 @@ class MLALayerTest(chex.TestCase):
 
 class MLADecodeTest(parameterized.TestCase):
 
-  @parameterized.named_parameters(
-      (name(config(path, q)), path, q)
-      for path in ("absorbed", "naive") for q in (0, Q_LORA))
+  # Fast tier: the default (absorbed) path with direct q (the naive path's
+  # attention equals the absorbed one in test_absorbed_equals_naive_attention).
+  @cases.named(
+      (dict(testcase_name=name(config(path, q)), path=path, q_lora=q)
+       for path in ("absorbed", "naive") for q in (0, Q_LORA)),
+      slow=lambda path, q_lora: (path, q_lora) != ("absorbed", 0))
   def test_decode_equals_forward_and_longer_prefill(self, path, q_lora):
     c, params = config(path, q_lora), params_for(q_lora)
     toks = tokens()
@@ -214,6 +221,7 @@ class MLADecodeTest(parameterized.TestCase):
                                      c.qk_rope_head_dim))
     chex.assert_tree_all_finite(cache)
 
+  @pytest.mark.slow  # two decode programs of a combined policy
   def test_paths_agree_under_eviction_cache_positions_and_int8(self):
     # Sinks wrap the 8-slot cache during decode; keys rotate by cache rank;
     # latents are stored int8. Both paths read the same stored latents.
@@ -395,7 +403,7 @@ class MLAConfigTest(parameterized.TestCase):
     bad = config().replace(**change)
     want = jax.eval_shape(lambda: kvjax.init_params(bad, jax.random.key(0)))
     with self.assertRaises(ValueError) as ctx:
-      model.check_params(params, bad)
+      params_lib.check_params(params, bad)
     msg = str(ctx.exception)
     attn, want_attn = params["layers"]["attn"], want["layers"]["attn"]
     for n in attn:  # exactly the disagreeing params are named
@@ -408,10 +416,11 @@ class MLAConfigTest(parameterized.TestCase):
 
   def test_q_lora_mismatch_names_the_missing_params(self):
     with self.assertRaisesRegex(ValueError, r"missing .*q_a.*unexpected .*'q'"):
-      model.check_params(params_for(), config(q_lora=Q_LORA))
+      params_lib.check_params(params_for(), config(q_lora=Q_LORA))
     with self.assertRaisesRegex(ValueError, r"missing .*'q'.*unexpected .*q_a"):
-      model.check_params(params_for(Q_LORA), config())
-    model.check_params(params_for(Q_LORA), config(q_lora=Q_LORA))  # no raise
+      params_lib.check_params(params_for(Q_LORA), config())
+    # No raise:
+    params_lib.check_params(params_for(Q_LORA), config(q_lora=Q_LORA))
 
   def test_public_api_rejects_mismatched_params_before_compute(self):
     bad = config().replace(v_head_dim=12)  # would run silently otherwise

@@ -4,7 +4,7 @@ Routing is checked against a per-token numpy reference written from the
 DeepSeek / transformers definitions (loops and sorts, no shared code); the
 two expert-compute paths against each other; and a MoE model against the
 core invariant (cached decode equals the no-cache forward). Parity with
-transformers' own V2/V3 MoE layers is in tests/test_checkpoint.py.
+transformers' own V2/V3 MoE layers is in tests/test_hf.py.
 """
 
 import dataclasses
@@ -19,6 +19,7 @@ import numpy as np
 import kvjax
 from kvjax import moe
 from kvjax.tolerance import assert_close
+import cases  # pylint: disable=g-bad-import-order
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -152,8 +153,10 @@ class MoETest(chex.TestCase):
                  np.full(weights.shape[:-1], m.routed_scaling_factor),
                  depth=1)
 
+  # Fast tier: the sigmoid, group-limited, normalized routing.
   @chex.variants(with_jit=True, without_jit=True)
-  @parameterized.named_parameters((_name(m), m) for m in MOES[:3])
+  @cases.named((dict(testcase_name=_name(m), m=m) for m in MOES[:3]),
+               slow=lambda m: m != MOES[2])
   def test_dense_and_gather_paths_agree(self, m):
     config = BASE.replace(moe=m)
     p = _layer_params(config)
@@ -192,7 +195,7 @@ class MoETest(chex.TestCase):
   def test_cached_decode_equals_forward(self):
     # A dense first layer, then MoE layers: both stacks; prefill takes the
     # dense expert path, decode (T·k < E) the gather path. transformers
-    # parity of more routings is in test_checkpoint.py.
+    # parity of more routings is in test_hf.py.
     m = MOES[0]
     config = BASE.replace(moe=m)
     # init_params traced (its structure and shapes), values drawn in numpy:

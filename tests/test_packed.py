@@ -1,4 +1,5 @@
-"""Packed decode params (`kvjax.packed`): fused, [out, in] weights.
+"""Packed decode params (`kvjax.params.pack`, applied by
+`kvjax.projections`): fused, [out, in] weights.
 
 Invariants: packing changes the layout, never the function. For every
 variant (and tied heads, q/k/v/o biases, MoE stacks, quantized caches) the
@@ -22,10 +23,12 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax import benchmarking as bm
+from kvjax.lab import benchmarking as bm
 from kvjax import layers
 from kvjax import model
 from kvjax import packed
+from kvjax import params as params_lib
+from kvjax import projections
 from kvjax import sharding
 from kvjax.tolerance import assert_close
 import cases
@@ -119,8 +122,8 @@ class PackedTest(parameterized.TestCase):
     overrides = dict(plain={}, tied=dict(tie_embeddings=True),
                      biases=dict(qkv_bias=True, o_bias=True))[extra]
     config, params = _config_and_params(variant, **overrides)
-    pk = packed.pack(params, config)
-    self.assertTrue(packed.is_packed(pk))
+    pk = params_lib.pack(params, config)
+    self.assertTrue(projections.is_packed(pk))
     tokens = _tokens(config, (2, 10))
     full = kvjax.forward(params, config, tokens)
     assert_close(kvjax.forward(pk, config, tokens), full, config)
@@ -143,7 +146,7 @@ class PackedTest(parameterized.TestCase):
     # One sequence: each decode step is a single row, so the norm-fed
     # products take linear_t's plain matrix-vector form (norm_input).
     config, params = _config_and_params(variant)
-    pk = packed.pack(params, config)
+    pk = params_lib.pack(params, config)
     tokens = _tokens(config, (1, 9))
     full = kvjax.forward(params, config, tokens)
     _, cache = kvjax.prefill(pk, config, tokens[:, :5],
@@ -152,31 +155,13 @@ class PackedTest(parameterized.TestCase):
       step, cache = kvjax.decode_step(pk, config, tokens[:, t], cache)
       assert_close(step, full[:, t], config)
 
-  @cases.named((dict(variant="gqa", kind="bfloat16"),
-                dict(variant="gqa", kind="int8-kivi"),
-                dict(variant="mla", kind="int8-kivi")),
-               slow=lambda variant, kind: (variant, kind) != ("gqa",
-                                                              "int8-kivi"))
-  def test_quantized_caches(self, variant, kind):
-    config, params = tiny(variant), tiny_params(variant)
-    pk = packed.pack(params, config)
-    tokens = _tokens(config, (2, 6))
-    policy = bm.cache_policy(kind)
-    cap = policy.round_capacity(32)
-    a = kvjax.generate(params, config, tokens, 10, capacity=cap,
-                       policy=policy, return_logits=True)
-    b = kvjax.generate(pk, config, tokens, 10, capacity=cap, policy=policy,
-                       return_logits=True)
-    np.testing.assert_array_equal(a[0], b[0])
-    assert_close(a[1], b[1], config, cache=policy.kv_dtype)
-
   @pytest.mark.slow  # an MoE model's compile; test_moe checks its decode
   def test_moe_stacks(self):
     config = tiny("gqa").replace(moe=kvjax.MoEConfig(
         num_experts=4, experts_per_token=2, expert_dim=32,
         first_dense_layers=1))
     params = kvjax.init_params(config, jax.random.key(0))
-    pk = packed.pack(params, config)
+    pk = params_lib.pack(params, config)
     self.assertIn("gate_up_t", pk["layers"][0]["mlp"])
     self.assertIn("router", pk["moe_layers"][0]["mlp"])  # experts kept
     self.assertIn("qkv_t", pk["moe_layers"][0]["attn"])
@@ -187,7 +172,7 @@ class PackedTest(parameterized.TestCase):
   @cases.variants()
   def test_packed_weights_are_the_canonical_ones(self, variant):
     config, params = tiny(variant), tiny_params(variant)
-    pk = packed.pack(params, config)
+    pk = params_lib.pack(params, config)
     D, F, L = config.embed_dim, config.mlp_dim, config.num_layers
     self.assertLen(pk["layers"], L)
     for i, p in enumerate(pk["layers"]):
@@ -238,7 +223,7 @@ class PackedTest(parameterized.TestCase):
   def test_packed_mla_with_q_lora(self):
     config = dataclasses.replace(tiny("mla"), q_lora_rank=24)
     params = kvjax.init_params(config, jax.random.key(3))
-    pk = packed.pack(params, config)
+    pk = params_lib.pack(params, config)
     self._check_mla(config, pk["layers"][0]["attn"], jax.tree_util.tree_map(
         lambda w: w[0], params["layers"]["attn"]))
     tokens = _tokens(config, (2, 9))
@@ -251,12 +236,12 @@ class PackedTest(parameterized.TestCase):
 
   def test_decode_step_runs_fewer_weight_products(self):
     config, params = tiny("gqa"), tiny_params("gqa")
-    pk = packed.pack(params, config)
+    pk = params_lib.pack(params, config)
     L = config.num_layers
     cache = kvjax.init_cache(config, 1, S)
     token = jnp.zeros((1,), jnp.int32)
     canonical = _dots(lambda p, c: model.decode_logits(p, config, token, c),
-                      packed._unstack_layers(params), cache)  # pylint: disable=protected-access
+                      params_lib._unstack_layers(params), cache)  # pylint: disable=protected-access
     fused = _dots(lambda p, c: model.decode_logits(p, config, token, c),
                   pk, cache)
     # Per layer: q, k, v, o, gate, up, down -> qkv, o, gate_up, down; the
@@ -266,7 +251,7 @@ class PackedTest(parameterized.TestCase):
 
   def test_sharding_axes_cover_packed_weights(self):
     config, params = tiny("gqa"), tiny_params("gqa")
-    axes = sharding.param_axes(packed.pack(params, config))
+    axes = sharding.param_axes(params_lib.pack(params, config))
     self.assertEqual(axes["layers"][0]["attn"]["qkv_t"], (None, "embed"))
     self.assertEqual(axes["layers"][0]["mlp"]["down_t"], ("embed", "mlp"))
     self.assertEqual(axes["lm_head_t"], ("vocab", "embed"))
@@ -274,25 +259,25 @@ class PackedTest(parameterized.TestCase):
   def test_two_layouts(self):
     """Canonical (stacked) and packed; nothing in between."""
     config, params = tiny("gqa"), tiny_params("gqa")
-    pk = packed.pack(params, config)
-    self.assertTrue(packed.is_packed(pk))
+    pk = params_lib.pack(params, config)
+    self.assertTrue(projections.is_packed(pk))
     self.assertIsInstance(pk["layers"], tuple)
-    self.assertFalse(packed.is_packed(params))
+    self.assertFalse(projections.is_packed(params))
     self.assertFalse(hasattr(packed, "layout"))
 
   def test_bad_params_raise(self):
     config, params = tiny("gqa"), tiny_params("gqa")
-    pk = packed.pack(params, config)
+    pk = params_lib.pack(params, config)
     with self.assertRaisesRegex(ValueError, "already packed"):
-      packed.pack(pk, config)
+      params_lib.pack(pk, config)
     with self.assertRaisesRegex(ValueError, r"\['k'\] has shape"):
-      packed.pack(params, tiny("mha"))
+      params_lib.pack(params, tiny("mha"))
     # A packed model checked against another config names the leaf.
     with self.assertRaisesRegex(ValueError, r"qkv_t'\] has shape"):
-      model.check_params(pk, tiny("mha"))
+      params_lib.check_params(pk, tiny("mha"))
     bad = dict(pk, layers=(pk["layers"][0],))
     with self.assertRaisesRegex(ValueError, "missing"):
-      model.check_params(bad, config)
+      params_lib.check_params(bad, config)
     with self.assertRaisesRegex(ValueError, "do not match the config"):
       kvjax.generate(bad, config, _tokens(config, (1, 4)), 2)
 
@@ -318,7 +303,7 @@ class ForDecodeTest(parameterized.TestCase):
     config, params = self._wide(variant)
     self.assertTrue(packed.packs(params, config))
     first = packed.for_decode(params, config)
-    self.assertTrue(packed.is_packed(first))
+    self.assertTrue(projections.is_packed(first))
     self.assertIs(packed.for_decode(params, config), first)  # packed once
     self.assertIs(packed.for_decode(dict(params), config), first)
     tokens = _tokens(config, (2, 7))
@@ -356,7 +341,7 @@ class ForDecodeTest(parameterized.TestCase):
     tiny_config = tiny("gqa")
     self.assertLess(tiny_config.embed_dim, packed.PACK_MIN_WIDTH)
     self.assertFalse(packed.packs(tiny_params("gqa"), tiny_config))
-    self.assertFalse(packed.packs(packed.pack(params, config), config))
+    self.assertFalse(packed.packs(params_lib.pack(params, config), config))
     jax.jit(lambda p: self.assertFalse(packed.packs(p, config)) or 0)(params)
 
 

@@ -11,6 +11,8 @@ Invariants:
   * a write table that maps a page elsewhere copies on write: the shared
     page is unchanged, the copy holds the new token;
   * a write to an unmapped page is recorded (OVERFLOW), never dropped;
+  * `from_contiguous` puts a contiguous cache's pages in the pool: its view
+    is that cache;
   * bytes: a page is kv_bytes_per_token x Y; allocated / used are exact;
   * bad input raises ValueError naming the problem before any compute.
 The fast tests exercise each invariant on GQA float32; the rest are
@@ -128,6 +130,27 @@ class PagedEqualsContiguousTest(parameterized.TestCase):
   @pytest.mark.slow
   def test_prefill_decode_extend_all(self, variant, policy):
     self.check(variant, policy)
+
+
+class FromContiguousTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      *[c for c in CASES if c[0] in FAST + ("_gqa_int8_kivi",)])
+  def test_the_view_is_the_contiguous_cache(self, variant, policy):
+    config, params = tiny(variant), tiny_params(variant)
+    tokens, mask = ragged_prompt()
+    _, ref = kvjax.prefill(params, config, tokens,
+                           kvjax.init_cache(config, B, M * Y, policy=policy),
+                           attention_mask=mask)
+    table = np.random.default_rng(0).permutation(B * M).reshape(B, M).astype(
+        np.int32)
+    paged = pg.from_contiguous(config, ref, table, Y)
+    self.assertEqual((paged.num_pages, paged.page_size), (B * M, Y))
+    np.testing.assert_array_equal(paged.block_table, table)
+    np.testing.assert_array_equal(paged.errors, errors.zeros(B))
+    assert_pages_hold(paged, ref, config, policy)
+    for name, resid in paged.resid.items():
+      np.testing.assert_array_equal(resid, getattr(ref, name), err_msg=name)
 
 
 class DecodeLoopTest(parameterized.TestCase):

@@ -23,14 +23,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from absl.testing import absltest, parameterized
 
 import kvjax
 from configs import model as model_presets
 from kvjax import cache as cache_lib
 from kvjax import configs as configs_lib
-from kvjax import model as kvmodel
 from kvjax import policies
 from kvjax.tolerance import assert_close
 from tests.tiny_models import tiny, tiny_params

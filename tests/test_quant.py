@@ -29,6 +29,7 @@ KINDS = tuple({model_presets.model_dict(v, "tiny")["attention"]: v
 KV_DTYPES = ("float32", "bfloat16", "float16", "int8")
 
 
+import cases  # pylint: disable=g-bad-import-order
 from tiny_models import tiny, tiny_params  # pylint: disable=g-bad-import-order
 
 
@@ -86,7 +87,7 @@ class QuantizeTest(parameterized.TestCase):
     chex.assert_tree_all_finite(out)
     np.testing.assert_array_equal(out, 0)
 
-  @parameterized.parameters("float32", "bfloat16", "float16")
+  @cases.product(dtype=("float32", "bfloat16", "float16"))
   def test_float_storage_is_a_cast(self, dtype):
     x = jax.random.normal(jax.random.key(1), (4, 8))
     q, s = quant.quantize(x, quant.storage_dtype(dtype))
@@ -99,7 +100,12 @@ class QuantizeTest(parameterized.TestCase):
 
 class QuantizedCacheTest(chex.TestCase):
 
-  @parameterized.product(variant=VARIANTS, kv_dtype=KV_DTYPES)
+  # Fast tier: the float32 and int8 caches of GQA and MLA (the programs the
+  # logit-error test below compiles anyway).
+  @cases.product(variant=VARIANTS, kv_dtype=KV_DTYPES,
+                 slow=lambda variant, kv_dtype: (
+                     variant not in cases.FAST_VARIANTS or
+                     kv_dtype not in ("float32", "int8")))
   def test_storage_dtypes_shapes_and_bytes(self, variant, kv_dtype):
     config = tiny(variant)
     B, S = 2, 16
@@ -135,8 +141,9 @@ class QuantizedCacheTest(chex.TestCase):
                      nbytes)
     self.assertEqual(kvjax.cache_bytes(cache)["kv"], nbytes)
 
-  @parameterized.product(variant=VARIANTS,
-                         kv_dtype=("bfloat16", "float16", "int8"))
+  @cases.product(variant=VARIANTS, kv_dtype=("bfloat16", "float16", "int8"),
+                 slow=lambda variant, kv_dtype: (
+                     variant not in cases.FAST_VARIANTS or kv_dtype != "int8"))
   def test_decode_logit_error_is_bounded(self, variant, kv_dtype):
     ref, _ = teacher_forced_decode_logits(variant, "float32")
     got, _ = teacher_forced_decode_logits(variant, kv_dtype)
@@ -148,7 +155,7 @@ class QuantizedCacheTest(chex.TestCase):
     # The cache really was stored lossy.
     self.assertGreater(float(jnp.max(jnp.abs(got - ref))), 0.0)
 
-  @parameterized.parameters(*KINDS)
+  @cases.product(variant=KINDS)
   def test_bfloat16_compute_runs_close_to_float32(self, variant):
     config, params = tiny(variant), tiny_params(variant)
     tokens = jax.random.randint(jax.random.key(2), (2, 8), 0,
@@ -165,7 +172,7 @@ class QuantizedCacheTest(chex.TestCase):
 
 class BadInputTest(parameterized.TestCase):
 
-  @parameterized.parameters("int4", "float64", "fp8")
+  @cases.product(kv_dtype=("int4", "float64", "fp8"))
   def test_unsupported_kv_dtype_names_the_field(self, kv_dtype):
     with self.assertRaisesRegex(ValueError, "kv_dtype"):
       kvjax.CachePolicy(kv_dtype=kv_dtype)

@@ -14,7 +14,6 @@ Invariants, for every attention variant:
 """
 
 import dataclasses
-import functools
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -22,11 +21,14 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import kvjax
 from kvjax import inference
 from kvjax.tolerance import assert_close
 from configs import model as model_presets
+import cases  # pylint: disable=g-bad-import-order
+from tiny_models import tiny, tiny_params  # pylint: disable=g-bad-import-order
 
 VARIANTS = model_presets.VARIANTS
 GQA_FAMILY = tuple(v for v in VARIANTS
@@ -35,21 +37,6 @@ GQA_FAMILY = tuple(v for v in VARIANTS
 LENGTHS = (3, 9, 1, 12)  # one batch: short, long, a single token, full
 T = 12
 NEW = 6
-
-
-@functools.lru_cache(maxsize=None)
-def tiny(variant: str) -> kvjax.ModelConfig:
-  # A larger init scale keeps greedy top-1/top-2 gaps wide, so token
-  # equality is not decided by float rounding.
-  config = kvjax.ModelConfig.from_dict(
-      dict(model_presets.model_dict(variant, "tiny"), init_scale=0.15))
-  assert config.variant == variant
-  return config
-
-
-@functools.lru_cache(maxsize=None)
-def tiny_params(variant: str):
-  return kvjax.init_params(tiny(variant), jax.random.key(0))
 
 
 def ragged(lengths=LENGTHS, T=T, seed=0, pad_fill=None):
@@ -65,7 +52,7 @@ def ragged(lengths=LENGTHS, T=T, seed=0, pad_fill=None):
 
 class RaggedTest(chex.TestCase, parameterized.TestCase):
 
-  @parameterized.parameters(*VARIANTS)
+  @cases.variants()
   def test_each_sequence_gets_what_it_gets_alone(self, variant):
     config, params = tiny(variant), tiny_params(variant)
     tokens, mask = ragged()
@@ -83,7 +70,7 @@ class RaggedTest(chex.TestCase, parameterized.TestCase):
                                     err_msg=f"{variant} sequence {b}")
       assert_close(logits[b], a_logits[0], config)
 
-  @parameterized.parameters(*VARIANTS)
+  @cases.variants()
   def test_padding_content_is_never_attended(self, variant):
     config, params = tiny(variant), tiny_params(variant)
     a_tok, mask = ragged(pad_fill=0)
@@ -103,7 +90,7 @@ class RaggedTest(chex.TestCase, parameterized.TestCase):
     assert_close(outs[0], outs[1], config)
     assert_close(outs[0], outs[2], config)
 
-  @parameterized.parameters(*VARIANTS)
+  @cases.variants()
   def test_cache_holds_each_sequence_own_length(self, variant):
     config, params = tiny(variant), tiny_params(variant)
     tokens, mask = ragged()
@@ -129,7 +116,7 @@ class RaggedTest(chex.TestCase, parameterized.TestCase):
                                                                    :nb]
         self.assertTrue((np.abs(filled).sum(axis=-1) > 0).all())
 
-  @parameterized.parameters(*VARIANTS)
+  @cases.variants()
   def test_ragged_decode_equals_the_ragged_forward(self, variant):
     # Decode steps after a ragged prefill equal the no-cache forward of the
     # same left-padded batch extended by the same tokens (the forward's own
@@ -192,7 +179,7 @@ class AttentionImplTest(parameterized.TestCase):
   `cudnn` (cuDNN flash attention, GPU) against the portable einsum, on
   ragged batches."""
 
-  @parameterized.parameters(*GQA_FAMILY)
+  @cases.variants(GQA_FAMILY, fast=("gqa",))
   def test_jax_nn_equals_einsum(self, variant):
     einsum_cfg = tiny(variant)
     self.assertEqual(einsum_cfg.attention_impl, "einsum")
@@ -207,7 +194,8 @@ class AttentionImplTest(parameterized.TestCase):
 
   # Decode through jax_nn for the grouped variants (G > 1: MHA's decode is
   # the same call with G = 1, and its forward is checked above).
-  @parameterized.parameters(*(v for v in GQA_FAMILY if tiny(v).groups > 1))
+  @cases.variants(tuple(v for v in GQA_FAMILY if tiny(v).groups > 1))
+  @pytest.mark.slow  # two generates per variant; the forward is above
   def test_jax_nn_generation_equals_einsum(self, variant):
     einsum_cfg = tiny(variant)
     nn_cfg = dataclasses.replace(einsum_cfg, attention_impl="jax_nn")

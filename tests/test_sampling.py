@@ -19,11 +19,13 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import kvjax
 from kvjax.sampling import GREEDY, Sampler, argmax
 from kvjax.tolerance import assert_close
 from configs import model as model_presets
+import cases  # pylint: disable=g-bad-import-order
 
 # A fixed, easily checked distribution: sorted, distinct probabilities.
 PROBS = np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
@@ -90,7 +92,7 @@ class SamplerValidationTest(parameterized.TestCase):
 class ArgmaxTest(parameterized.TestCase):
   """`kvjax.sampling.argmax` (the decode loop's fast argmax) == jnp.argmax."""
 
-  @parameterized.parameters(1, 8)
+  @cases.product(batch=(1, 8))
   def test_equals_jnp_argmax_with_ties_nan_and_inf(self, batch):
     x = np.array(jax.random.normal(jax.random.key(batch), (batch, 3000)))
     x[0, 7] = x[0, 900] = x[0].max() + 1  # tie: the first index wins
@@ -124,7 +126,8 @@ class SamplerTest(chex.TestCase, parameterized.TestCase):
     self.assertEqual(a.dtype, jnp.int32)
 
   @chex.variants(with_jit=True, without_jit=True)
-  @parameterized.parameters(*SAMPLERS)
+  @cases.product(name=tuple(SAMPLERS),
+                 slow=lambda name: name != "top_k_top_p")
   def test_same_key_same_tokens(self, name):
     sampler = SAMPLERS[name]
     logits = jax.random.normal(jax.random.key(100), (256, 40))
@@ -137,6 +140,7 @@ class SamplerTest(chex.TestCase, parameterized.TestCase):
     # 256 rows of 40-way draws: another key changes some of them.
     self.assertTrue(bool(jnp.any(a != c)))
 
+  @pytest.mark.slow  # every sampler eagerly, op by op
   def test_jit_and_eager_agree(self):
     # The shapes of test_same_key_same_tokens: its eager ops are compiled.
     logits = jax.random.normal(jax.random.key(101), (256, 40))
@@ -147,7 +151,7 @@ class SamplerTest(chex.TestCase, parameterized.TestCase):
         jitted = jax.jit(lambda l, k, s=sampler: s(l, k))(logits, key)
         chex.assert_trees_all_equal(eager, jitted)
 
-  @parameterized.parameters(1, 3, 10)
+  @cases.product(k=(1, 3, 10), slow=lambda k: k != 3)
   def test_top_k_never_leaves_the_k_best(self, k):
     B, V = 512, 40
     # Logits from a key stream the draws never use (a shared key correlates
@@ -173,7 +177,7 @@ class SamplerTest(chex.TestCase, parameterized.TestCase):
         logits)
     assert_close(full, logits, depth=1)
 
-  @parameterized.parameters(0.3, 0.5, 0.6, 0.72, 0.9, 0.97, 1.0)
+  @cases.product(p=(0.3, 0.5, 0.6, 0.72, 0.9, 0.97, 1.0))
   def test_top_p_keeps_the_smallest_prefix_reaching_p(self, p):
     kept = nucleus(PROBS, p)
     self.assertGreaterEqual(PROBS[kept].sum(), p - 1e-9)
@@ -198,7 +202,7 @@ class SamplerTest(chex.TestCase, parameterized.TestCase):
     sigma = np.sqrt(expected * (1 - expected) / n)
     self.assertLess(abs(freq - expected), 5 * sigma)
 
-  @parameterized.parameters(0.5, 1.0, 2.0)
+  @cases.product(t=(0.5, 1.0, 2.0), slow=lambda t: t != 0.5)
   def test_temperature_draws_follow_the_scaled_softmax(self, t):
     n = 40_000
     toks = draw(Sampler(temperature=t), LOGITS, n, jax.random.key(1))
@@ -271,8 +275,11 @@ class StoppingTest(parameterized.TestCase):
                           return_logits=True, return_cache=True)
     return scan, loop
 
-  @parameterized.named_parameters(
-      ("greedy", GREEDY), ("sampled", Sampler(temperature=1.0, top_k=20)))
+  # Fast tier: test_decode.py's while_loop == scan (greedy, GQA and MLA).
+  @cases.named((dict(testcase_name="greedy", sampler=GREEDY),
+                dict(testcase_name="sampled",
+                     sampler=Sampler(temperature=1.0, top_k=20))))
+  @pytest.mark.slow
   def test_while_loop_equals_scan_up_to_the_stop(self, sampler):
     # Stop tokens taken from the scan's own output, so every row stops.
     (ref, _, _), _ = self._both((), sampler)
@@ -307,6 +314,7 @@ class StoppingTest(parameterized.TestCase):
                                   n + self.STEPS - 1)
     self.assertTrue((np.asarray(loop)[:, last + 1:] == 0).all())
 
+  @pytest.mark.slow  # an edge of the loop-equals-scan check above
   def test_stop_on_the_first_token(self):
     (ref, _, _), _ = self._both(())
     stops = tuple(int(t) for t in np.asarray(ref)[:, 0])

@@ -33,7 +33,7 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax import packed
+from kvjax import params as params_lib
 from kvjax import sharding
 from kvjax.tolerance import tolerance
 from configs import model as model_presets
@@ -228,7 +228,7 @@ class EightDeviceTest(_CheckRows):
 
   @cases.product(variant=("gqa", "mla"))
   def test_packed_params_shard_the_same(self, variant):
-    # kvjax.packed: fused [out, in] weights under the table's packed names.
+    # kvjax.pack: fused [out, in] weights under the table's packed names.
     row = self._row(variant, "2x4", layout="packed")
     self._check(row)
 
@@ -327,7 +327,7 @@ class TableTest(parameterized.TestCase):
                                                       jax.random.key(0)))
     stacked = sharding.param_axes(shapes)
     unstacked = sharding.param_axes(jax.eval_shape(
-        packed._unstack_layers, shapes))  # pylint: disable=protected-access
+        params_lib._unstack_layers, shapes))  # pylint: disable=protected-access
     self.assertLen(unstacked["layers"], config.num_layers)
     for layer in unstacked["layers"]:
       jax.tree_util.tree_map(

@@ -1,6 +1,6 @@
-"""Invariants of the synthetic tasks (kvjax.tasks), their scorers, the
+"""Invariants of the synthetic tasks (kvjax.lab.tasks), their scorers, the
 training mixture, the task-model configs and the cache-policy driver
-(kvjax.task_eval)."""
+(kvjax.lab.task_eval)."""
 
 import dataclasses
 import math
@@ -14,8 +14,8 @@ import pytest
 from configs import tasks as task_configs
 import kvjax
 from kvjax import data
-from kvjax import task_eval
-from kvjax import tasks
+from kvjax.lab import task_eval
+from kvjax.lab import tasks
 from kvjax.inference import check_mask
 
 TASK_NAMES = tuple(sorted(tasks.TASKS))
@@ -601,6 +601,7 @@ class TrainTest(absltest.TestCase):
   def test_a_resumed_run_retraces_the_uninterrupted_one(self):
     import shutil  # pylint: disable=g-import-not-at-top
     import jax  # pylint: disable=g-import-not-at-top
+    from kvjax import orbax_checkpoint  # pylint: disable=g-import-not-at-top
     from kvjax import train  # pylint: disable=g-import-not-at-top
     config, _ = _tiny_model()
     tc = train.TrainConfig(seq_len=128, batch_size=2, num_steps=4,
@@ -617,8 +618,8 @@ class TrainTest(absltest.TestCase):
     shutil.copytree(whole, resumed, dirs_exist_ok=True)
     shutil.rmtree(f"{resumed}/checkpoints/4")
     tasks.train_task_model(config, tc, mixture, resumed)
-    _, a = train.restore_params(whole)
-    _, b = train.restore_params(resumed)
+    _, a = orbax_checkpoint.restore_params(whole)
+    _, b = orbax_checkpoint.restore_params(resumed)
     for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
       np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 

@@ -1,4 +1,5 @@
-"""Tests for kvjax.train: loss, optimiser, steps, checkpoints, resume.
+"""Tests for kvjax.train and kvjax.orbax_checkpoint: loss, optimiser, steps,
+checkpoints, resume.
 
 The generic machinery is tested with a tiny stand-in model defined here (a
 token-and-previous-token linear model), so these tests stay fast and do not
@@ -23,8 +24,10 @@ import optax
 import kvjax
 from kvjax import configs
 from kvjax import data
+from kvjax import orbax_checkpoint
 from kvjax import train as train_lib
 from kvjax.tolerance import assert_close
+import cases
 
 
 
@@ -102,15 +105,18 @@ class TrainTestCase(chex.TestCase, parameterized.TestCase):
 
   def _fit(self, config, workdir, model_config=None):
     model_config = model_config or self.model_config
+    val = self._val(config)
     return train_lib.fit(
-        self._state(config, model_config), train_tokens=self.stream,
-        val_batches=self._val(config), config=config, workdir=workdir,
+        self._state(config, model_config),
+        batch_fn=train_lib.austen_batches(self.stream, config),
+        evaluate_fn=lambda state: train_lib.evaluate(state, val),
+        config=config, workdir=workdir,
         model_config_dict=model_config.to_dict())
 
   def _restore(self, workdir):
-    return train_lib.restore_params(workdir,
-                                    config_from_dict=_StandInConfig.from_dict,
-                                    init_fn=_stand_in_init)
+    return orbax_checkpoint.restore_params(
+        workdir, config_from_dict=_StandInConfig.from_dict,
+        init_fn=_stand_in_init)
 
 
 class LossTest(TrainTestCase):
@@ -118,7 +124,7 @@ class LossTest(TrainTestCase):
   def test_pad_targets_are_ignored(self):
     logits = jax.random.normal(jax.random.key(1), (2, 5, data.VOCAB_SIZE))
     targets = jnp.array([[1, 2, 3, data.PAD, data.PAD], [4, 5, 6, 7, 8]])
-    total, count = train_lib.token_nll(logits, targets)
+    total, count = train_lib.masked_nll(logits, targets)
     self.assertEqual(float(count), 8.0)
     kept = jnp.array([[1, 2, 3, 0, 0], [4, 5, 6, 7, 8]])
     nll = optax.softmax_cross_entropy_with_integer_labels(logits, kept)
@@ -200,9 +206,9 @@ class CheckpointTest(TrainTestCase):
     self.assertFalse(np.array_equal(params_2["embed"], params["embed"]))
 
   def _restore_step(self, workdir, step):
-    return train_lib.restore_params(workdir, step,
-                                    config_from_dict=_StandInConfig.from_dict,
-                                    init_fn=_stand_in_init)
+    return orbax_checkpoint.restore_params(
+        workdir, step, config_from_dict=_StandInConfig.from_dict,
+        init_fn=_stand_in_init)
 
   def test_outputs_written(self):
     config = _config(num_steps=3, eval_every=3)
@@ -231,7 +237,8 @@ class CheckpointTest(TrainTestCase):
                            side_effect=crash_at_step_5):
       with self.assertRaises(KeyboardInterrupt):
         self._fit(config, resumed)
-    self.assertEqual(train_lib.checkpoint_manager(resumed).latest_step(), 4)
+    self.assertEqual(
+        orbax_checkpoint.checkpoint_manager(resumed).latest_step(), 4)
     state_b, final_b = self._fit(config, resumed)
 
     self.assertEqual(final_a, final_b)
@@ -240,14 +247,15 @@ class CheckpointTest(TrainTestCase):
     # The interrupted run's step-5 record is replaced, not duplicated.
     metrics = lambda d: (d / train_lib.METRICS_FILE).read_text().splitlines()
     strip = lambda lines: [{k: v for k, v in json.loads(l).items()
-                            if k != "tokens_per_s"} for l in lines]
+                            if k not in ("tokens_per_s", "elapsed_s")}
+             for l in lines]
     self.assertEqual(strip(metrics(uninterrupted)), strip(metrics(resumed)))
 
   def test_mismatched_config_raises(self):
     config = _config(num_steps=2, warmup_steps=1)
     self._fit(config, self.tmp)
-    config_file = (self.tmp / train_lib.CHECKPOINT_DIR / "2" / "model_config" /
-                   train_lib.MODEL_CONFIG_FILE)
+    config_file = (self.tmp / orbax_checkpoint.CHECKPOINT_DIR / "2" /
+                   "model_config" / orbax_checkpoint.MODEL_CONFIG_FILE)
     self.assertTrue(config_file.is_file())
     config_file.write_text(json.dumps(_StandInConfig(dim=16).to_dict()))
     with self.assertRaisesRegex(ValueError, "does not match the weights") as ctx:
@@ -260,15 +268,16 @@ class CheckpointTest(TrainTestCase):
   def test_resume_with_other_model_refuses_and_keeps_checkpoint(self):
     config = _config(num_steps=2, warmup_steps=1)
     self._fit(config, self.tmp)
-    config_file = (self.tmp / train_lib.CHECKPOINT_DIR / "2" / "model_config" /
-                   train_lib.MODEL_CONFIG_FILE)
+    config_file = (self.tmp / orbax_checkpoint.CHECKPOINT_DIR / "2" /
+                   "model_config" / orbax_checkpoint.MODEL_CONFIG_FILE)
     before = config_file.read_bytes()
     _, params_before = self._restore(self.tmp)
     with self.assertRaisesRegex(ValueError, "dim: checkpoint 8, run 16"):
       self._fit(_config(num_steps=4, warmup_steps=1), self.tmp,
                 _StandInConfig(dim=16))
     self.assertEqual(config_file.read_bytes(), before)
-    self.assertEqual(train_lib.checkpoint_manager(self.tmp).all_steps(), [2])
+    self.assertEqual(
+        orbax_checkpoint.checkpoint_manager(self.tmp).all_steps(), [2])
     _, params_after = self._restore(self.tmp)
     chex.assert_trees_all_equal(params_before, params_after)
 
@@ -284,7 +293,7 @@ class RealModelTest(TrainTestCase):
   most of this file's time budget; the loop itself is model-agnostic.
   """
 
-  @parameterized.parameters("gqa", "mla")
+  @cases.variants(("gqa", "mla"), fast=("gqa",))
   def test_save_and_restore_kvjax_model(self, variant):
     model_config = configs.model_config(
         _load_train_configs().get_config(variant).model).replace(
@@ -294,19 +303,19 @@ class RealModelTest(TrainTestCase):
     state = train_lib.create_train_state(
         params, train_lib.model_logits_fn(model_config),
         train_lib.make_optimizer(_config()))
-    manager = train_lib.checkpoint_manager(self.tmp)
-    train_lib.save_checkpoint(manager, state, model_config.to_dict())
-    restored_config, restored = train_lib.restore_params(self.tmp)
+    manager = orbax_checkpoint.checkpoint_manager(self.tmp)
+    orbax_checkpoint.save_checkpoint(manager, state, model_config.to_dict())
+    restored_config, restored = orbax_checkpoint.restore_params(self.tmp)
     self.assertEqual(restored_config, model_config)
     chex.assert_trees_all_equal(restored, params)
     with self.assertRaisesRegex(ValueError, "refusing to overwrite"):
-      train_lib.save_checkpoint(manager, state, model_config.to_dict())
+      orbax_checkpoint.save_checkpoint(manager, state, model_config.to_dict())
 
 
 class TrainConfigFileTest(parameterized.TestCase):
   """Walks every preset of configs/train.py."""
 
-  @parameterized.parameters(*_load_train_configs().VARIANTS)
+  @cases.product(variant=_load_train_configs().VARIANTS)
   def test_preset(self, variant):
     cfg = _load_train_configs().get_config(variant)
     model_config = configs.model_config(cfg.model)

@@ -7,7 +7,7 @@ out-of-range float, a string outside its set) raises ValueError whose
 message names the field and the value, never a ZeroDivisionError, a
 TypeError or a silently truncated config; and every valid value
 constructs. config.json keys are driven through
-`kvjax.checkpoint.config_from_hf` and `kvjax.load_checkpoint` and must be
+`kvjax.hf.config_from_hf` and `kvjax.load_checkpoint` and must be
 named by their Hugging Face key. The regression cases at the end pin each
 example of issue 21.
 
@@ -30,9 +30,9 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax import checkpoint
 from kvjax import config as config_lib
-from kvjax import model
+from kvjax import hf as hf_lib
+from kvjax import params as params_lib
 from kvjax.config import ModelConfig, MoEConfig, RopeScaling
 from kvjax.sampling import Sampler
 
@@ -456,7 +456,7 @@ def _hf_with(base: str, path: tuple[str, ...], value) -> dict:
 def test_config_json_int_refused_by_its_key(base, key, minimum, data):
   bad = data.draw(st.one_of(non_ints(), ints_below(minimum)))
   with _raises_naming(f"config.json {key}", bad):
-    checkpoint.config_from_hf(_hf_with(base, (key,), bad))
+    hf_lib.config_from_hf(_hf_with(base, (key,), bad))
 
 
 HF_FLOATS = (
@@ -484,7 +484,7 @@ def test_config_json_float_refused_by_its_key(base, path, minimum, strict,
   bad = data.draw(bad_floats(minimum, strict))
   name = f"config.json {path[0]}" + "".join(f".{k}" for k in path[1:])
   with _raises_naming(name, bad):
-    checkpoint.config_from_hf(_hf_with(base, path, bad))
+    hf_lib.config_from_hf(_hf_with(base, path, bad))
 
 
 HF_FLAGS = (("llama", "tie_word_embeddings"), ("llama", "attention_bias"),
@@ -497,7 +497,7 @@ HF_FLAGS = (("llama", "tie_word_embeddings"), ("llama", "attention_bias"),
 @given(bad=st.one_of(st.integers(), st.text(max_size=5), st.floats()))
 def test_config_json_flag_refused_by_its_key(base, key, bad):
   with _raises_naming(f"config.json {key}", bad):
-    checkpoint.config_from_hf(_hf_with(base, (key,), bad))
+    hf_lib.config_from_hf(_hf_with(base, (key,), bad))
 
 
 @st.composite
@@ -520,7 +520,7 @@ def hf_gqa_dicts(draw):
 @FEW
 @given(hf=hf_gqa_dicts())
 def test_valid_config_json_constructs(hf):
-  c = checkpoint.config_from_hf(json.loads(json.dumps(hf)))
+  c = hf_lib.config_from_hf(json.loads(json.dumps(hf)))
   assert (c.embed_dim, c.num_heads, c.num_kv_heads, c.vocab_size,
           c.num_layers, c.mlp_dim, c.max_seq_len) == (
               hf["hidden_size"], hf["num_attention_heads"],
@@ -533,7 +533,7 @@ def test_valid_config_json_constructs(hf):
 
 @pytest.mark.parametrize("base", sorted(HF_BASES))
 def test_each_config_json_base_is_valid(base):
-  checkpoint.config_from_hf(HF_BASES[base])
+  hf_lib.config_from_hf(HF_BASES[base])
 
 
 # ---- load_checkpoint: the file itself ---------------------------------------
@@ -601,7 +601,7 @@ def test_valid_config_from_each_entry_point_runs():
             intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
             num_key_value_heads=1, max_position_embeddings=16,
             rms_norm_eps=1e-6, rope_theta=10000)
-  from_hf = checkpoint.config_from_hf(hf).replace(init_scale=0.1)
+  from_hf = hf_lib.config_from_hf(hf).replace(init_scale=0.1)
   from_dict = ModelConfig.from_dict(
       {k: np.int64(v) if type(v) is int else v
        for k, v in RUN.to_dict().items()})
@@ -622,7 +622,7 @@ def test_integer_params_leaf_refused_by_path(leaf):
   node[leaf[-1]] = node[leaf[-1]].astype(jnp.int32)
   path = "".join(f"['{k}']" for k in leaf)
   with pytest.raises(ValueError, match=re.escape(path) + r" \(int32\)"):
-    model.check_params(params, RUN)
+    params_lib.check_params(params, RUN)
 
 
 @pytest.mark.parametrize("params,kind", [(None, "NoneType"), ([], "list"),
@@ -663,7 +663,7 @@ def _load_with(tmp_path, **overrides):
      "config.json is not UTF-8 text"),
     (lambda _: kvjax.forward(None, RUN, jnp.zeros((1, 4), jnp.int32)),
      "params must be a dict of arrays, got NoneType"),
-    (lambda _: model.check_params(
+    (lambda _: params_lib.check_params(
         dict(_params(), embed=_params()["embed"].astype(jnp.int32)), RUN),
      "['embed'] (int32)"),
 ], ids=["vocab_size_256.5", "num_layers_True", "temperature_nan",

@@ -2,7 +2,7 @@
 broadly and keep more tokens, upper layers concentrate and keep fewer.
 
 Wraps any scored policy. Budgets fall linearly from the cache capacity S at
-layer 0 to S' = k / beta at the top layer, k = S / (2 - 1/beta) being the
+layer 0 to k / beta at the top layer, k = S / (2 - 1/beta) being the
 average (the paper's arithmetic schedule, total L·k). The cache keeps its
 fixed [.., S] shapes; a layer's slots beyond its budget stay empty, so
 `cache_bytes(...)['used']` counts what the schedule really holds.

@@ -20,8 +20,9 @@ allow them (tested equal to the token-by-token path):
                  sinks in `original` position mode)
   recompute_nll  the recompute baseline, many windows per call (`lax.map`)
 
-Dimension alphabet (as in `kvjax.config`): B batch, N stream length, T chunk
-length, S cache slots, V vocab, W recompute window, M positions per call.
+Dimension alphabet (as in `kvjax.config`): B batch, T' the stream's length
+(`t` in names: `tokens_Bt`), T the tokens of one call (a chunk; a recompute
+window), S cache slots, V vocab, I the positions one `lax.map` call scores.
 """
 
 from __future__ import annotations
@@ -39,26 +40,20 @@ import numpy as np
 from kvjax import cache as cache_lib
 from kvjax import decode
 from kvjax import policies
+from kvjax import probe
 from kvjax import errors
 from kvjax import inference
 from kvjax import model
 from kvjax import packed
+from kvjax import params as params_lib
 from kvjax.config import ModelConfig
+from kvjax.train import token_nll
 
 DENSE = "dense"
 RECOMPUTE = "recompute"
 
 
-# ---- the per-token loss ------------------------------------------------------
-def token_nll(logits_BV, targets_B):
-  """-log p(target) in float32 (logits [..., V], targets [...] int)."""
-  logits = logits_BV.astype(jnp.float32)
-  lse = jax.nn.logsumexp(logits, axis=-1)
-  picked = jnp.take_along_axis(logits, targets_B[..., None], axis=-1)[..., 0]
-  return lse - picked
-
-
-def _as_BN(tokens) -> np.ndarray:
+def _as_Bt(tokens) -> np.ndarray:
   t = np.asarray(tokens)
   return t[None] if t.ndim == 1 else t
 
@@ -89,13 +84,13 @@ def _decode_scan(params, config, tokens_BT, targets_BT, cache, want_logits):
   return nll_TB.T, logits_BTV, cache
 
 
-def _check_stream(params, config, tokens_BN, cache, what):
+def _check_stream(params, config, tokens_Bt, cache, what):
   """Host-side validation before any compute (ValueError naming the
   problem), as the public API does. Returns the params to run
   (`packed.for_decode`)."""
-  model.check_params(params, config)
-  inference.check_tokens(tokens_BN, config, name=what)
-  inference._check_cache(cache, config, tokens_BN.shape[0])  # pylint: disable=protected-access
+  params_lib.check_params(params, config)
+  inference.check_tokens(tokens_Bt, config, name=what)
+  inference._check_cache(cache, config, tokens_Bt.shape[0])  # pylint: disable=protected-access
   errors.raise_if_set(cache, "the cache passed in")
   return packed.for_decode(params, config)
 
@@ -128,17 +123,17 @@ def _chunks(n: int, chunk: int):
 
 def _stream_inputs(params, config, tokens, cache, chunk: int, what: str):
   """Validates a scored stream before any compute; returns (the params to
-  run, int32 tokens [B, N], n = N - 1 scored positions)."""
-  tokens_BN = _as_BN(tokens).astype(np.int32)
-  if tokens_BN.shape[1] < 2:
-    raise ValueError(f"tokens: a stream needs N >= 2 tokens, got "
-                     f"{tokens_BN.shape[1]}")
+  run, int32 tokens [B, T'], n = T' - 1 scored positions)."""
+  tokens_Bt = _as_Bt(tokens).astype(np.int32)
+  if tokens_Bt.shape[1] < 2:
+    raise ValueError(f"tokens: a stream needs at least 2 tokens, got "
+                     f"{tokens_Bt.shape[1]}")
   if chunk < 1:
     raise ValueError(f"chunk must be >= 1, got {chunk}")
-  params = _check_stream(params, config, tokens_BN, cache, "tokens")
-  n = tokens_BN.shape[1] - 1
+  params = _check_stream(params, config, tokens_Bt, cache, "tokens")
+  n = tokens_Bt.shape[1] - 1
   inference._check_fits(cache, n, fresh=False, what=what)  # pylint: disable=protected-access
-  return params, tokens_BN, n
+  return params, tokens_Bt, n
 
 
 def stream_nll(params, config: ModelConfig, tokens, cache, *,
@@ -146,23 +141,23 @@ def stream_nll(params, config: ModelConfig, tokens, cache, *,
   """Per-token NLL of a stream read token by token through `cache`.
 
   Args:
-    tokens: [N] or [B, N] int ids (N >= 2).
+    tokens: [T'] or [B, T'] int ids (T' >= 2).
     cache: a cache (donated; fresh, or holding a prefix to continue) of any
-      policy and capacity S; N may be far larger than S when it evicts.
+      policy and capacity S; T' may be far larger than S when it evicts.
     chunk: tokens per compiled scan (a last, shorter chunk compiles once
       more).
     log_every: log progress every this many tokens (0: never).
   Returns:
-    (nll [B, N-1] float32 numpy: nll[:, t] = -log p(tokens[:, t+1] |
+    (nll [B, T'-1] float32 numpy: nll[:, t] = -log p(tokens[:, t+1] |
      tokens[:, :t+1]), NaN where any logit of that step is not finite; the
-     cache after the first N-1 tokens)
+     cache after the first T'-1 tokens)
   """
-  params, tokens_BN, n = _stream_inputs(params, config, tokens, cache,
+  params, tokens_Bt, n = _stream_inputs(params, config, tokens, cache,
                                         chunk, "stream_nll")
   out, logged = [], 0
   for start, stop in _chunks(n, chunk):
-    nll, _, cache = _decode_scan(params, config, tokens_BN[:, start:stop],
-                                 tokens_BN[:, start + 1:stop + 1], cache,
+    nll, _, cache = _decode_scan(params, config, tokens_Bt[:, start:stop],
+                                 tokens_Bt[:, start + 1:stop + 1], cache,
                                  False)
     out.append(np.asarray(nll))
     errors.raise_if_set(cache, f"stream_nll, tokens {start}-{stop}")
@@ -202,12 +197,12 @@ def extend_nll(params, config: ModelConfig, tokens, cache, *,
         f"extend_nll needs eviction in none/window/sinks and positions="
         f"'original', got eviction={policy.eviction!r}, positions="
         f"{policy.positions!r}; use stream_nll")
-  params, tokens_BN, n = _stream_inputs(params, config, tokens, cache,
+  params, tokens_Bt, n = _stream_inputs(params, config, tokens, cache,
                                         chunk, "extend_nll")
   out, logged = [], 0
   for start, stop in _chunks(n, chunk):
-    nll, cache = _extend_nll(params, config, tokens_BN[:, start:stop],
-                             tokens_BN[:, start + 1:stop + 1], cache)
+    nll, cache = _extend_nll(params, config, tokens_Bt[:, start:stop],
+                             tokens_Bt[:, start + 1:stop + 1], cache)
     out.append(np.asarray(nll))
     errors.raise_if_set(cache, f"extend_nll, tokens {start}-{stop}")
     if log_every and stop - logged >= log_every:
@@ -219,25 +214,26 @@ def extend_nll(params, config: ModelConfig, tokens, cache, *,
 # ---- sliding window with recompute -------------------------------------------
 @functools.partial(jax.jit,
                    static_argnames=("config", "window", "micro_batch"))
-def _recompute_nll(params, config, tokens_BN, t_M, window, micro_batch):
-  """NLL of token t+1 from a fresh forward over tokens (t-W, t], [M, B]."""
-  offsets_W = jnp.arange(window, dtype=jnp.int32) - (window - 1)
+def _recompute_nll(params, config, tokens_Bt, t_I, window, micro_batch):
+  """NLL [I, B] of token t+1, for each t of t_I, from a fresh forward over
+  the T = `window` tokens (t - window, t] of the stream."""
+  offsets_T = jnp.arange(window, dtype=jnp.int32) - (window - 1)
 
   def one(t):
-    idx_W = t + offsets_W
-    ctx_BW = jnp.take(tokens_BN, jnp.maximum(idx_W, 0), axis=1)
+    idx_T = t + offsets_T
+    ctx_BT = jnp.take(tokens_Bt, jnp.maximum(idx_T, 0), axis=1)
     # Windows that start before the stream are left-padded; positions are
     # re-indexed from 0 at the window's first real token.
-    mask_BW = jnp.broadcast_to(idx_W >= 0, ctx_BW.shape)
-    step = model.forward_step(config, mask_BW)
-    x_BWD, _ = model.run_layers(params, model.embed(params, ctx_BW, config),
+    mask_BT = jnp.broadcast_to(idx_T >= 0, ctx_BT.shape)
+    step = model.forward_step(config, mask_BT)
+    x_BTD, _ = model.run_layers(params, model.embed(params, ctx_BT, config),
                                 step, None, config)
-    logits_BV = model.unembed(params, x_BWD[:, -1:], config)[:, 0]
-    target_B = jax.lax.dynamic_index_in_dim(tokens_BN, t + 1, axis=1,
+    logits_BV = model.unembed(params, x_BTD[:, -1:], config)[:, 0]
+    target_B = jax.lax.dynamic_index_in_dim(tokens_Bt, t + 1, axis=1,
                                             keepdims=False)
     return token_nll(logits_BV, target_B)
 
-  return jax.lax.map(one, t_M, batch_size=micro_batch)
+  return jax.lax.map(one, t_I, batch_size=micro_batch)
 
 
 def recompute_nll(params, config: ModelConfig, tokens, window: int, *,
@@ -245,53 +241,54 @@ def recompute_nll(params, config: ModelConfig, tokens, window: int, *,
                   log_every: int = 0):
   """The 'sliding window with recompute' baseline.
 
-  For every scored t the last `window` tokens (t-W, t] are run through a
-  fresh, cache-free forward with positions 0..W-1, and token t+1 is scored:
-  O(W) model tokens (and O(W^2) attention) per scored token. A cached window
-  of capacity W attends to the same W tokens, but their keys were computed
-  from older contexts; the two agree exactly only for one-layer models.
+  For every scored t the last `window` tokens (t - window, t] are run
+  through a fresh, cache-free forward with positions 0..window-1, and token
+  t+1 is scored: O(window) model tokens (and O(window^2) attention) per
+  scored token. A cached window of that capacity attends to the same
+  tokens, but their keys were computed from older contexts; the two agree
+  exactly only for one-layer models.
 
   Args:
-    tokens: [N] or [B, N] int ids.
-    window: W >= 1, tokens of context per prediction (the current included).
+    tokens: [T'] or [B, T'] int ids.
+    window: >= 1, tokens of context per prediction (the current included).
     stride: score every `stride`-th t (t = stride-1, 2·stride-1, ...), for
       streams too long to recompute everywhere; 1 scores every token.
     block: positions per compiled call (the last block is padded).
     micro_batch: windows computed together inside a call (`lax.map`
       batch size); 1 gives the sequential per-token cost.
   Returns:
-    nll [B, N-1] float32 numpy, aligned with `stream_nll`; NaN at the
+    nll [B, T'-1] float32 numpy, aligned with `stream_nll`; NaN at the
     positions not scored (stride > 1).
   """
-  tokens_BN = _as_BN(tokens).astype(np.int32)
+  tokens_Bt = _as_Bt(tokens).astype(np.int32)
   for name, v in dict(window=window, stride=stride, block=block,
                       micro_batch=micro_batch).items():
     if v < 1:
       raise ValueError(f"{name} must be >= 1, got {v}")
-  if tokens_BN.shape[1] < 2:
-    raise ValueError(f"tokens: a stream needs N >= 2 tokens, got "
-                     f"{tokens_BN.shape[1]}")
-  model.check_params(params, config)
-  inference.check_tokens(tokens_BN, config)
-  n = tokens_BN.shape[1] - 1
+  if tokens_Bt.shape[1] < 2:
+    raise ValueError(f"tokens: a stream needs at least 2 tokens, got "
+                     f"{tokens_Bt.shape[1]}")
+  params_lib.check_params(params, config)
+  inference.check_tokens(tokens_Bt, config)
+  n = tokens_Bt.shape[1] - 1
   scored = np.arange(stride - 1, n, stride, dtype=np.int32)
   if scored.size == 0:
     raise ValueError(f"stride={stride} scores no position of a {n}-token "
                      "stream")
   block = min(block, scored.size)
   micro_batch = min(micro_batch, block)
-  stream = jnp.asarray(tokens_BN)
+  stream = jnp.asarray(tokens_Bt)
   out, logged = [], 0
   for start, stop in _chunks(scored.size, block):
     # A fixed block shape: the last block repeats its final position.
-    t_M = scored[np.minimum(np.arange(start, start + block), stop - 1)]
-    nll_MB = _recompute_nll(params, config, stream, t_M, window, micro_batch)
-    out.append(np.asarray(nll_MB)[:stop - start].T)
+    t_I = scored[np.minimum(np.arange(start, start + block), stop - 1)]
+    nll_IB = _recompute_nll(params, config, stream, t_I, window, micro_batch)
+    out.append(np.asarray(nll_IB)[:stop - start].T)
     if log_every and stop - logged >= log_every // stride:
       logged = stop
-      logging.info("recompute_nll W=%d: %d/%d positions", window, stop,
+      logging.info("recompute_nll window=%d: %d/%d positions", window, stop,
                    scored.size)
-  nll = np.full(tokens_BN.shape[:1] + (n,), np.nan, np.float32)
+  nll = np.full(tokens_Bt.shape[:1] + (n,), np.nan, np.float32)
   nll[:, scored] = np.concatenate(out, axis=1)
   return nll
 
@@ -335,7 +332,7 @@ def parse_policy(name: str, capacity: int, stream_len: int,
 
   Args:
     capacity: S, equal for every bounded row (and the recompute window).
-    stream_len: N; the dense cache gets N slots.
+    stream_len: T'; the dense cache gets T' slots.
     h2o_recent: a scored policy's always-kept recent tokens (0:
       capacity // 2).
   """
@@ -372,17 +369,17 @@ def parse_policy(name: str, capacity: int, stream_len: int,
 def evaluate(params, config: ModelConfig, tokens, row: StreamPolicy, *,
              chunk: int = 512, micro_batch: int = 64, recompute_stride: int = 1,
              log_every: int = 0):
-  """Per-token NLL [B, N-1] of one table row, by its fastest exact path
+  """Per-token NLL [B, T'-1] of one table row, by its fastest exact path
   (NaN where recompute with `recompute_stride` > 1 did not score)."""
   if row.policy is None:
     return recompute_nll(params, config, tokens, row.capacity,
                          stride=recompute_stride, micro_batch=micro_batch,
                          log_every=log_every)
-  tokens_BN = _as_BN(tokens)
-  cache = cache_lib.init_cache(config, tokens_BN.shape[0], row.capacity,
+  tokens_Bt = _as_Bt(tokens)
+  cache = cache_lib.init_cache(config, tokens_Bt.shape[0], row.capacity,
                                policy=row.policy)
   fn = extend_nll if row.fast_path else stream_nll
-  nll, _ = fn(params, config, tokens_BN, cache, chunk=chunk,
+  nll, _ = fn(params, config, tokens_Bt, cache, chunk=chunk,
               log_every=log_every)
   return nll
 
@@ -406,7 +403,7 @@ def perplexity_by_position(nll, bin_size: int):
   NaN entries — positions a strided recompute did not score — are skipped).
 
   Args:
-    nll: [B, N-1] or [N-1].
+    nll: [B, T'-1] or [T'-1].
     bin_size: positions per bin (a last partial bin is dropped).
   Returns:
     (centres [nb] (position of the predicted token), ppl [nb]) numpy.
@@ -429,7 +426,7 @@ def summarize(nll_by_name: dict, rows: dict, capacity: int) -> list[dict]:
   """One table line per row.
 
   Args:
-    nll_by_name: name -> nll [B, N-1] (NaN = not scored).
+    nll_by_name: name -> nll [B, T'-1] (NaN = not scored).
     rows: name -> StreamPolicy.
     capacity: the bounded rows' S; `ppl_evicting` counts the tokens at
       positions >= S, where the policies differ.
@@ -550,10 +547,10 @@ def _recompute_runner(params, config: ModelConfig, window: int, tokens,
     raise ValueError(f"tokens: timing needs {window + steps + 1} tokens, got "
                      f"{tokens.shape[0]}")
   stream = jnp.asarray(tokens[None])
-  t_M = jnp.arange(window, window + steps, dtype=jnp.int32)
+  t_I = jnp.arange(window, window + steps, dtype=jnp.int32)
 
   def run():
-    return _recompute_nll(params, config, stream, t_M, window, 1)
+    return _recompute_nll(params, config, stream, t_I, window, 1)
 
   jax.block_until_ready(run())
   return run
@@ -571,7 +568,7 @@ def time_rows(params, config: ModelConfig, rows, tokens, *, steps: int = 32,
 
   Args:
     rows: StreamPolicy per name.
-    tokens: [N] ids (N >= capacity + 1 + steps * (rounds + 1)).
+    tokens: [T'] ids (T' >= capacity + 1 + steps * (rounds + 1)).
   Returns:
     name -> median seconds per token.
   """
@@ -599,7 +596,7 @@ def memory_trace(params, config: ModelConfig, tokens, cache, *,
   """Cache bytes read from the real arrays while a stream is decoded.
 
   Args:
-    tokens: [N] or [B, N] ids, fed token by token (`decode_tokens` chunks of
+    tokens: [T'] or [B, T'] ids, fed token by token (`decode_tokens` chunks of
       `every`).
     cache: a fresh cache (donated).
     every: record after every this many tokens.
@@ -608,7 +605,7 @@ def memory_trace(params, config: ModelConfig, tokens, cache, *,
      empty cache, final cache). `used` counts the slots holding a token,
      `kv` what is allocated (see `kvjax.cache_bytes`).
   """
-  tokens_BN = _as_BN(tokens).astype(np.int32)
+  tokens_Bt = _as_Bt(tokens).astype(np.int32)
   if every < 1:
     raise ValueError(f"every must be >= 1, got {every}")
 
@@ -618,11 +615,11 @@ def memory_trace(params, config: ModelConfig, tokens, cache, *,
                 **b)
 
   trace = [record(0, cache)]
-  n = tokens_BN.shape[1]
-  params = _check_stream(params, config, tokens_BN, cache, "tokens")
+  n = tokens_Bt.shape[1]
+  params = _check_stream(params, config, tokens_Bt, cache, "tokens")
   inference._check_fits(cache, n, fresh=False, what="memory_trace")  # pylint: disable=protected-access
   for start, stop in _chunks(n, every):
-    seg = tokens_BN[:, start:stop]
+    seg = tokens_Bt[:, start:stop]
     _, _, cache = _decode_scan(params, config, seg, seg, cache, False)
     errors.raise_if_set(cache, f"memory_trace, tokens {start}-{stop}")
     trace.append(record(stop, cache))
@@ -630,37 +627,19 @@ def memory_trace(params, config: ModelConfig, tokens, cache, *,
 
 
 # ---- where attention goes (is there an attention sink?) ----------------------
-@functools.partial(jax.jit, static_argnames=("config",))
-def _received_scan(params, config, tokens_BT, cache):
-  """Per step, the attention each slot received from the new token (summed
-  over layers and heads): the growth of the h2o scores. [T, B, S]."""
-  T = tokens_BT.shape[1]
-  next_TB = jnp.concatenate([tokens_BT.T[1:], tokens_BT.T[-1:]], axis=0)
-  before_BS = cache.scores
-  _, _, scores_TBS = decode.run(
-      params, config, tokens_BT[:, 0], cache, next_TB,
-      choose=lambda logits_BV, nxt_B: nxt_B,
-      emit=lambda logits_BV, nxt_B, x, cache: cache.scores, n=T)
-  return jnp.diff(scores_TBS, axis=0, prepend=before_BS[None])
-
-
 def attention_matrix(params, config: ModelConfig, tokens):
   """A[q, k]: attention query q pays key k, averaged over layers, heads and
   the batch, [T, T] numpy (rows sum to 1 over k <= q).
 
-  Computed by the library's own decode step: an h2o cache with S = T (so
-  nothing is evicted and slot = position) accumulates exactly this.
+  The mean of the attention probe (`kvjax.probe.attention_probs`: the
+  library's own forward, per layer and head).
 
   Args:
     tokens: [T] or [B, T] ids.
   """
-  tokens_BT = _as_BN(tokens).astype(np.int32)
-  b, t = tokens_BT.shape
-  cache = cache_lib.init_cache(config, b, t, policy=cache_lib.CachePolicy(
-      "h2o", recent=1))
-  params = _check_stream(params, config, tokens_BT, cache, "tokens")
-  received = np.asarray(_received_scan(params, config, tokens_BT, cache))
-  return received.mean(axis=1) / (config.num_layers * config.num_heads)
+  tokens_BT = _as_Bt(tokens).astype(np.int32)
+  probs = probe.attention_probs(params, config, tokens_BT)
+  return np.asarray(probs.mean(axis=(0, 1, 2)))
 
 
 def attention_profile(params, config: ModelConfig, tokens, *,
@@ -688,7 +667,7 @@ def attention_profile(params, config: ModelConfig, tokens, *,
 def evaluate_rows(params, config: ModelConfig, tokens, rows: dict, *,
                   chunk: int = 512, micro_batch: int = 8,
                   recompute_stride: int = 1, log_every: int = 0):
-  """`evaluate` for every row. Returns (name -> nll [B, N-1], name ->
+  """`evaluate` for every row. Returns (name -> nll [B, T'-1], name ->
   seconds it took)."""
   nll, seconds = {}, {}
   for name, row in rows.items():

@@ -21,17 +21,25 @@ pool, with more rows.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import platform
 import subprocess
 from typing import Any
 
 from absl import logging
+import jax
+import jax.numpy as jnp
 import numpy as np
 
+from kvjax import cache as cache_lib
+from kvjax import decode as decode_lib
 from kvjax import engine as engine_lib
+from kvjax import packed
 from kvjax import paged as paged_lib
 from kvjax.config import ModelConfig
+from kvjax.lab import benchmarking
+from kvjax.sampling import GREEDY
 
 
 # ---- traces -----------------------------------------------------------------
@@ -229,9 +237,92 @@ def plot(results: dict, path: str) -> None:
   plt.close(fig)
 
 
+# ---- what the paged view costs ----------------------------------------------
+@functools.partial(jax.jit, static_argnames=("config", "samplers", "plan"),
+                   donate_argnames=("cache",))
+def _contiguous_loop(params, config, token_B, cache, keys_BI, sampler_B,
+                     samplers: tuple, plan: decode_lib.Plan):
+  """`paged.decode_loop`'s steps on a contiguous cache: same loop, no view."""
+  keys_IB = jnp.swapaxes(jax.random.wrap_key_data(keys_BI), 0, 1)
+  _, cache, toks_IB = decode_lib.run(
+      params, config, token_B, cache, keys_IB,
+      choose=lambda logits_BV, key_B: paged_lib.sample_rows(
+          logits_BV, key_B, sampler_B, samplers),
+      emit=lambda logits_BV, nxt_B, key_B, cache: nxt_B, plan=plan)
+  return toks_IB.T, cache
+
+
+def decode_step_cost(params, config: ModelConfig, batch: int, context: int,
+                     page_size: int, *, steps_per_view=(1, 8), policy=None,
+                     repeats: int = 15, seed: int = 0) -> dict:
+  """Paged decode against contiguous decode, same batch, context and work.
+
+  Both caches hold `context` random tokens per row
+  (`benchmarking.filled_cache`; the pool holds the same values, its pages
+  in a random order: `paged.from_contiguous`) and read A · Y slots (the
+  view bucket of `context + steps` tokens; the contiguous cache has
+  exactly that capacity). For each n in `steps_per_view`, one jitted loop
+  of n greedy steps each, both by the one decode loop with generate's plan
+  (`paged.loop_plan`): `paged.decode_loop` (gather once, n steps, write
+  back) against the same n steps on the contiguous cache; timed
+  alternately, every call starting from the same context.
+
+  Returns:
+    dict: per n, the median seconds per step of each, their ratio
+    (paged / contiguous) and the spread of the per-round ratios.
+  """
+  policy = policy or cache_lib.CachePolicy()
+  params = packed.for_decode(params, config)
+  out = dict(batch=batch, context=context, page_size=page_size, runs={})
+  for n in steps_per_view:
+    A = paged_lib.view_pages(context + n, page_size,
+                             -(-(context + n) // page_size))
+    S = A * page_size
+    contiguous = benchmarking.filled_cache(config, batch, S, context, policy,
+                                           seed)
+    rng = np.random.default_rng(seed)
+    table = rng.permutation(batch * A).astype(np.int32).reshape(batch, A)
+    paged = paged_lib.from_contiguous(config, contiguous, table, page_size)
+    length = np.asarray(contiguous.length)  # donated leaves are consumed
+    token = jnp.zeros((batch,), jnp.int32)
+    keys = jax.random.key_data(jax.random.split(jax.random.key(seed),
+                                                (batch, n)))
+    which = jnp.zeros((batch,), jnp.int32)
+    valid = jnp.full((batch,), n, jnp.int32)
+    table_dev = jnp.asarray(table)
+    state = dict(c=contiguous, p=paged)
+    plan = paged_lib.loop_plan(params, config, policy, batch, A, page_size, n)
+
+    def run_contiguous():
+      toks, state["c"] = _contiguous_loop(
+          params, config, token, state["c"].replace(
+              length=jnp.asarray(length)), keys, which, (GREEDY,), plan)
+      return toks
+
+    def run_paged():
+      toks, state["p"] = paged_lib.decode_loop(
+          params, config, token, state["p"].replace(
+              length=jnp.asarray(length)), table_dev, keys, which, valid,
+          pages=A, steps=n, samplers=(GREEDY,), plan=plan)
+      return toks
+
+    t = benchmarking.time_alternating(
+        dict(contiguous=run_contiguous, paged=run_paged), warmup=2,
+        repeats=repeats)
+    rounds = benchmarking.paired_ratios(t["paged"].seconds,
+                                        t["contiguous"].seconds)
+    out["runs"][n] = dict(
+        slots_read=S, blocked=plan.blocked,
+        contiguous_ms_per_step=1e3 * t["contiguous"].median / n,
+        paged_ms_per_step=1e3 * t["paged"].median / n,
+        ratio=t["paged"].median / t["contiguous"].median,
+        round_ratios=benchmarking.spread(rounds))
+  return out
+
+
 def step_cost(params, config: ModelConfig, *, batch: int, context: int,
               page_size: int, decode_steps: int, repeats: int) -> dict:
-  """`paged.decode_step_cost` at one step per view and at the engine's k."""
-  return paged_lib.decode_step_cost(
+  """`decode_step_cost` at one step per view and at the engine's k."""
+  return decode_step_cost(
       params, config, batch, context, page_size,
       steps_per_view=tuple(sorted({1, decode_steps})), repeats=repeats)

@@ -357,9 +357,9 @@ def _matmul_params_per_layer(config: ModelConfig) -> int:
   D, N, F = config.embed_dim, config.num_heads, config.mlp_dim
   if config.attention == "mla":
     C, R = config.kv_lora_rank, config.qk_rope_head_dim
-    P, Vh, Q = config.qk_nope_head_dim, config.v_head_dim, config.q_lora_rank
+    P, O, Q = config.qk_nope_head_dim, config.v_head_dim, config.q_lora_rank
     q = D * Q + Q * N * (P + R) if Q else D * N * (P + R)
-    attn = q + D * (C + R) + C * N * (P + Vh) + N * Vh * D
+    attn = q + D * (C + R) + C * N * (P + O) + N * O * D
   else:
     K, H = config.num_kv_heads, config.head_dim
     attn = D * N * H + 2 * D * K * H + N * H * D
@@ -801,13 +801,13 @@ def no_cache_generate_seconds(params, config: ModelConfig, tokens,
   done, segments = 0, []
   while done < new_tokens:
     length = T + done
-    P = min(total, inference.bucket_length(length + 1))
-    steps = min(new_tokens - done, P - length)
+    width = min(total, inference.bucket_length(length + 1))
+    steps = min(new_tokens - done, width - length)
     keys = jax.random.split(jax.random.key(0), steps)
     inference._no_cache_segment.lower(  # pylint: disable=protected-access
-        params, config, buf[:, :P], mask[:, :P], jnp.int32(length), keys,
-        steps, GREEDY, False).compile()
-    segments.append(dict(P=P, steps=steps))
+        params, config, buf[:, :width], mask[:, :width], jnp.int32(length),
+        keys, steps, GREEDY, False).compile()
+    segments.append(dict(P=width, steps=steps))  # key P: the results' format
     done += steps
   compile_s = time.perf_counter() - t0
   t0 = time.perf_counter()

@@ -15,19 +15,21 @@ from typing import Any
 import jax
 import numpy as np
 
-from kvjax import benchmarking
 from kvjax import cache as cache_lib
 from kvjax import inference
-from kvjax import model
 from kvjax import packed
+from kvjax import params as params_lib
+from kvjax import projections
 from kvjax.config import ModelConfig
+from kvjax.lab import benchmarking
 from kvjax.sampling import Sampler
 from kvjax.validate import check_int
 
 # The small byte-level model trained by `experiments/train.py` and shipped
 # with the repository (see WORKSPACE.md for the command that produced it).
-SHIPPED_MODEL = os.path.join(os.path.dirname(os.path.dirname(__file__)),
-                             "checkpoints", "austen-gqa")
+SHIPPED_MODEL = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
+        __file__)))), "checkpoints", "austen-gqa")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,16 +51,16 @@ def load_model(*, checkpoint: str = "", trained: str = "",
     config: used for a seeded random init when neither path is given.
   """
   if checkpoint:
-    from kvjax import checkpoint as ckpt  # pylint: disable=g-import-not-at-top
-    cfg, params = ckpt.load_checkpoint(checkpoint)
+    from kvjax import hf  # pylint: disable=g-import-not-at-top
+    cfg, params = hf.load_checkpoint(checkpoint)
     return LoadedModel(cfg, params, f"hf:{checkpoint}", False)
   if trained:
-    from kvjax import train  # pylint: disable=g-import-not-at-top
-    cfg, params = train.restore_params(trained)
+    from kvjax import orbax_checkpoint  # pylint: disable=g-import-not-at-top
+    cfg, params = orbax_checkpoint.restore_params(trained)
     return LoadedModel(cfg, params, f"trained:{trained}", True)
   if config is None:
     raise ValueError("give a checkpoint, a trained workdir or a config")
-  params = model.init_params(config, jax.random.key(seed))
+  params = params_lib.init_params(config, jax.random.key(seed))
   return LoadedModel(config, params, f"random(seed={seed})", False)
 
 
@@ -135,7 +137,7 @@ def run(loaded: LoadedModel, tokens: np.ndarray, *, max_new_tokens: int,
                 policy=policy, capacity=capacity, verify_steps=verify_steps,
                 seed=seed, max_seq_len=cfg.max_seq_len)
   params = packed.for_decode(loaded.params, cfg)
-  layout = "packed" if packed.is_packed(params) else "scan"
+  layout = "packed" if projections.is_packed(params) else "scan"
   if shardings is not None:
     params = shardings.put_params(params)
   capacity = capacity or inference.default_capacity(

@@ -1,4 +1,4 @@
-"""kvjax.checkpoint: Hugging Face checkpoints load into kvjax and reproduce
+"""kvjax.hf: Hugging Face checkpoints load into kvjax and reproduce
 transformers' logits and greedy generations.
 
 Three groups:
@@ -30,9 +30,10 @@ from safetensors import flax as st_flax
 from safetensors import numpy as st_numpy
 
 import kvjax
-from kvjax import checkpoint
+from kvjax import hf as hf_lib
 from kvjax.tolerance import assert_close, tolerance
 import hf_fixtures as hx
+import cases
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 # transformers computes float32 matmuls exactly; so must we (notes: TF32 /
@@ -60,10 +61,10 @@ def _write(path, hf, *, dtype=np.float32, drop=(), extra=None, seed=0,
   os.makedirs(path, exist_ok=True)
   with open(os.path.join(path, "config.json"), "w") as f:
     json.dump(hf, f)
-  config = checkpoint.config_from_hf(hf)
+  config = hf_lib.config_from_hf(hf)
   rng = np.random.default_rng(seed)
   tensors = {k: rng.normal(size=s).astype(np.float32)
-             for k, s in checkpoint.expected_tensors(config).items()
+             for k, s in hf_lib.expected_tensors(config).items()
              if k not in drop}
   tensors.update(extra or {})
   # `extra` tensors are written in their own dtype, the others in `dtype`.
@@ -88,11 +89,11 @@ class ConfigTest(chex.TestCase):
     new.setdefault("rope_parameters", dict(rope_type="default"))
     legacy = hx.legacy_format(new)
     self.assertNotIn("rope_parameters", legacy)
-    self.assertEqual(checkpoint.config_from_hf(new),
-                     checkpoint.config_from_hf(legacy))
+    self.assertEqual(hf_lib.config_from_hf(new),
+                     hf_lib.config_from_hf(legacy))
 
   def test_legacy_type_key_and_top_level_theta(self):
-    cfg = checkpoint.config_from_hf(dict(
+    cfg = hf_lib.config_from_hf(dict(
         LLAMA, rope_theta=123.0,
         rope_scaling=dict(type="linear", factor=3.0)))
     self.assertEqual(cfg.rope_theta, 123.0)
@@ -115,37 +116,37 @@ class ConfigTest(chex.TestCase):
   )
   def test_sliding_window_rules(self, overrides, window):
     self.assertEqual(
-        checkpoint.config_from_hf(dict(LLAMA, **overrides)).sliding_window,
+        hf_lib.config_from_hf(dict(LLAMA, **overrides)).sliding_window,
         window)
 
   def test_mixed_sliding_layers_refused(self):
     with self.assertRaisesRegex(ValueError, "mixes sliding-window"):
-      checkpoint.config_from_hf(dict(
+      hf_lib.config_from_hf(dict(
           LLAMA, model_type="qwen2", use_sliding_window=True,
           sliding_window=8, max_window_layers=1))
 
   def test_family_biases(self):
-    llama = checkpoint.config_from_hf(LLAMA)
-    qwen = checkpoint.config_from_hf(dict(LLAMA, model_type="qwen2"))
-    mistral = checkpoint.config_from_hf(dict(LLAMA, model_type="mistral"))
+    llama = hf_lib.config_from_hf(LLAMA)
+    qwen = hf_lib.config_from_hf(dict(LLAMA, model_type="qwen2"))
+    mistral = hf_lib.config_from_hf(dict(LLAMA, model_type="mistral"))
     self.assertEqual((llama.qkv_bias, llama.o_bias), (True, True))
     self.assertEqual((qwen.qkv_bias, qwen.o_bias), (True, False))
     self.assertEqual((mistral.qkv_bias, mistral.o_bias), (False, False))
 
   def test_deepseek_routing_follows_transformers(self):
-    v3 = checkpoint.config_from_hf(V3)
+    v3 = hf_lib.config_from_hf(V3)
     self.assertEqual((v3.moe.scoring, v3.moe.topk_method, v3.moe.num_groups,
                       v3.moe.norm_topk_prob, v3.moe.routed_scaling_factor),
                      ("sigmoid", "noaux_tc", 2, True, 2.5))
     self.assertEqual(v3.rope_layout, "interleaved")
     # V2's router never normalizes, whatever norm_topk_prob says.
-    v2 = checkpoint.config_from_hf(dict(V3, model_type="deepseek_v2",
+    v2 = hf_lib.config_from_hf(dict(V3, model_type="deepseek_v2",
                                         norm_topk_prob=True))
     self.assertEqual((v2.moe.scoring, v2.moe.topk_method,
                       v2.moe.norm_topk_prob), ("softmax", "greedy", False))
 
   def test_yarn_without_mscale_uses_factor_only(self):
-    rs = checkpoint.config_from_hf(dict(V3, rope_parameters=dict(
+    rs = hf_lib.config_from_hf(dict(V3, rope_parameters=dict(
         rope_type="yarn", factor=4.0,
         original_max_position_embeddings=16))).rope_scaling
     self.assertEqual((rs.mscale, rs.mscale_all_dim), (0.0, 0.0))
@@ -165,7 +166,7 @@ class ConfigTest(chex.TestCase):
   )
   def test_unsupported_config_names_the_problem(self, overrides, message):
     with self.assertRaisesRegex(ValueError, message):
-      checkpoint.config_from_hf(dict(LLAMA, **overrides))
+      hf_lib.config_from_hf(dict(LLAMA, **overrides))
 
 
 class LoaderTest(chex.TestCase):
@@ -206,7 +207,7 @@ class LoaderTest(chex.TestCase):
     chex.assert_trees_all_equal_shapes(params, jax.eval_shape(
         lambda: kvjax.init_params(config, jax.random.key(0))))
 
-  @parameterized.parameters(False, True)
+  @cases.product(fused_experts=(False, True))
   def test_mla_moe_layout(self, fused_experts):
     E, F, D, P, Vh = 4, 8, 16, 4, 6
     extra, drop = {}, ()
@@ -279,20 +280,20 @@ class LoaderTest(chex.TestCase):
     for fn, keys in shards.items():
       st_numpy.save_file({k: tensors[k] for k in keys},
                          os.path.join(self.dir, fn))
-    with open(os.path.join(self.dir, checkpoint.INDEX_FILE), "w") as f:
+    with open(os.path.join(self.dir, hf_lib.INDEX_FILE), "w") as f:
       json.dump({"weight_map": {k: fn for fn, ks in shards.items()
                                 for k in ks}}, f)
     _, params = kvjax.load_checkpoint(self.dir)
     np.testing.assert_array_equal(params["final_norm"],
                                   tensors["model.norm.weight"])
     # An index pointing at a shard that does not hold the tensor.
-    with open(os.path.join(self.dir, checkpoint.INDEX_FILE), "w") as f:
+    with open(os.path.join(self.dir, hf_lib.INDEX_FILE), "w") as f:
       json.dump({"weight_map": {k: "a.safetensors" for k in names}}, f)
     with self.assertRaisesRegex(ValueError, "lists tensors its shards do not "
                                 "hold: .*model.*"):
       kvjax.load_checkpoint(self.dir)
     os.remove(os.path.join(self.dir, "b.safetensors"))
-    with open(os.path.join(self.dir, checkpoint.INDEX_FILE), "w") as f:
+    with open(os.path.join(self.dir, hf_lib.INDEX_FILE), "w") as f:
       json.dump({"weight_map": {k: fn for fn, ks in shards.items()
                                 for k in ks}}, f)
     with self.assertRaisesRegex(ValueError, r"do not exist: \['b.safetensors"):
@@ -396,8 +397,10 @@ class LoaderTest(chex.TestCase):
       kvjax.load_checkpoint(self.dir)
 
 
+@pytest.mark.slow
 class ParityTest(chex.TestCase):
-  """kvjax vs transformers on tiny random models of every family."""
+  """kvjax vs transformers on tiny random models of every family (slow
+  tier: torch, and one kvjax compile per family)."""
 
   @classmethod
   def setUpClass(cls):
@@ -420,7 +423,7 @@ class ParityTest(chex.TestCase):
     with open(os.path.join(path, "config.json")) as f:
       saved = json.load(f)
     # The test name was derived before building: it must describe the files.
-    files = ([checkpoint.INDEX_FILE] if case.max_shard_size else None)
+    files = ([hf_lib.INDEX_FILE] if case.max_shard_size else None)
     self.assertEqual(hx.features(saved, os.listdir(path)),
                      hx.features(hx.case_config_dict(case), files))
     config, params = kvjax.load_checkpoint(path)

@@ -53,12 +53,13 @@ Sections: task specs and the registry (`TASKS`); generators (`generate`,
 `task_set`, `load_haystack`); the reference solver; batches and scorers
 (`batch_examples`, `exact_match`, `part_recall`, `score_generate`,
 `answer_loglik`); training data (`Mixture`, `mixture_batch`); and a task-
-model training loop (`train_task_model`, `python -m kvjax.tasks`) until
+model training loop (`train_task_model`, `python -m kvjax.lab.tasks`) until
 `kvjax.train.fit` takes a batch function.
 
-Dimension alphabet: B batch, T prompt length (training: row length - 1),
-A answer length, M needles in one example, V vocab, U teacher-forced input
-length (T + A - 1).
+Dimension alphabet (`kvjax.config`): B batch, T prompt length (training:
+row length - 1; a teacher-forced input, prompt ++ answer[:-1], is T + I - 1
+tokens), I answer length (the tokens to generate), V vocab, T' a token
+stream's length.
 """
 
 from __future__ import annotations
@@ -265,12 +266,12 @@ class Example:
   """One prompt and its answer.
 
   tokens: int32 [T] BOS, context, question; exactly the requested length.
-  answer: int32 [A] the answer bytes the model must produce next (no EOS).
-  needles: int32 [M, 2] [start, end) of each needle in `tokens` (passkey:
+  answer: int32 [I] the answer bytes the model must produce next (no EOS).
+  needles: int32 [needles, 2] [start, end) of each needle in `tokens` (passkey:
     the pass-key sentences; NIAH: every needle, distractors included; MQAR:
     every key=value pair of the context).
-  values: int32 [M, 2] [start, end) of each needle's value bytes.
-  gold: bool [M] the needles whose values make up the answer.
+  values: int32 [needles, 2] [start, end) of each needle's value bytes.
+  gold: bool [needles] the needles whose values make up the answer.
   prompt_targets: bool [T] prompt positions that are answers too (MQAR's
     answered queries): training targets, never scored.
   depth: the requested depth of the first gold needle.
@@ -694,7 +695,7 @@ def load_haystack(split: str = "validation",
   Args:
     split: 'validation' (the held-out novel: evaluation) or 'train'.
   Returns:
-    int32 [N] byte tokens (BOS/EOS dropped), or None.
+    int32 [T'] byte tokens (BOS/EOS dropped), or None.
   """
   if split not in ("train", "validation"):
     raise ValueError(f"split={split!r} is not 'train' or 'validation'")
@@ -721,7 +722,7 @@ def reference_answer(task: str | TaskSpec, tokens) -> np.ndarray:
   from the tokens.
 
   Returns:
-    int32 [A] answer bytes.
+    int32 [I] answer bytes.
   Raises:
     ValueError: the prompt does not hold a parseable question or needle.
   """
@@ -767,8 +768,8 @@ class TaskBatch:
 
   tokens: int32 [B, T] prompts, left-padded with PAD to the longest.
   attention_mask: int32 [B, T] 1 on prompt tokens, 0 on padding.
-  answers: int32 [B, A] answers, right-padded with PAD to the longest.
-  answer_mask: bool [B, A] True on answer bytes.
+  answers: int32 [B, I] answers, right-padded with PAD to the longest.
+  answer_mask: bool [B, I] True on answer bytes.
   needle_starts: int32 [B] where the first gold needle starts in `tokens`
     (padding included).
   lengths, depths, needle_depths: [B] per example.
@@ -801,12 +802,12 @@ def batch_examples(examples: Sequence[Example],
       raise ValueError(f"pad_to={pad_to} is shorter than the longest prompt "
                        f"({T})")
     T = pad_to
-  A = max(e.answer.shape[0] for e in examples)
+  I = max(e.answer.shape[0] for e in examples)
   B = len(examples)
   tokens = np.full((B, T), data.PAD, np.int32)
   mask = np.zeros((B, T), np.int32)
-  answers = np.full((B, A), data.PAD, np.int32)
-  amask = np.zeros((B, A), bool)
+  answers = np.full((B, I), data.PAD, np.int32)
+  amask = np.zeros((B, I), bool)
   starts = np.zeros((B,), np.int32)
   for b, e in enumerate(examples):
     pad = T - e.length
@@ -828,10 +829,10 @@ def exact_match(predicted, answers, answer_mask=None) -> np.ndarray:
   """1.0 where a prediction starts with the whole answer, else 0.0.
 
   Args:
-    predicted: int [B, P] generated ids (P >= the answer lengths; what comes
+    predicted: int [B, >= I] generated ids (at least the answers; what comes
       after the answer is ignored, so a model may go on talking).
-    answers: int [B, A] answers (right-padded).
-    answer_mask: bool [B, A], True on answer bytes (default: all True).
+    answers: int [B, I] answers (right-padded).
+    answer_mask: bool [B, I], True on answer bytes (default: all True).
   Returns:
     float64 [B]: row b is 1.0 iff predicted[b, i] == answers[b, i] for every
     i with answer_mask[b, i]; a prediction shorter than its answer scores 0.
@@ -845,11 +846,11 @@ def exact_match(predicted, answers, answer_mask=None) -> np.ndarray:
                      f"answers {answers.shape[0]}")
   mask = (np.ones(answers.shape, bool) if answer_mask is None
           else np.asarray(answer_mask, bool))
-  A = answers.shape[1]
-  if predicted.shape[1] < A:
-    short = np.full((predicted.shape[0], A - predicted.shape[1]), -1)
+  I = answers.shape[1]
+  if predicted.shape[1] < I:
+    short = np.full((predicted.shape[0], I - predicted.shape[1]), -1)
     predicted = np.concatenate([predicted, short], axis=1)
-  same = (predicted[:, :A] == answers) | ~mask
+  same = (predicted[:, :I] == answers) | ~mask
   return same.all(axis=1).astype(np.float64)
 
 
@@ -878,11 +879,11 @@ def score_generate(generate_fn: GenerateFn, batch: TaskBatch) -> dict:
 
   Args:
     generate_fn: (tokens int32 [B, T], attention_mask int32 [B, T],
-      max_new_tokens A) -> generated ids [B, >= A]; e.g. a closure over
-      `kvjax.generate` with a cache policy (`kvjax.task_eval`).
+      max_new_tokens I) -> generated ids [B, >= I]; e.g. a closure over
+      `kvjax.generate` with a cache policy (`kvjax.lab.task_eval`).
     batch: from `batch_examples`.
   Returns:
-    {'predicted': int32 [B, A], 'exact': float [B] (`exact_match`),
+    {'predicted': int32 [B, I], 'exact': float [B] (`exact_match`),
      'recall': float [B] (`part_recall`)}.
   """
   out = np.asarray(generate_fn(batch.tokens, batch.attention_mask,
@@ -900,18 +901,18 @@ def teacher_forced_inputs(batch: TaskBatch):
   byte is predicted.
 
   Returns:
-    (tokens int32 [B, U], attention_mask int32 [B, U], index int32 [B, A]):
+    (tokens int32 [B, T], attention_mask int32 [B, T], index int32 [B, I]):
     logits[b, index[b, i]] predict answers[b, i] (index is 0 where
     answer_mask is False).
   """
   rows = [np.concatenate([e.tokens, e.answer[:-1]]) for e in batch.examples]
-  U = max(r.shape[0] for r in rows)
-  B, A = batch.answers.shape
-  tokens = np.full((B, U), data.PAD, np.int32)
-  mask = np.zeros((B, U), np.int32)
-  index = np.zeros((B, A), np.int32)
+  T = max(r.shape[0] for r in rows)
+  B, I = batch.answers.shape
+  tokens = np.full((B, T), data.PAD, np.int32)
+  mask = np.zeros((B, T), np.int32)
+  index = np.zeros((B, I), np.int32)
   for b, (r, e) in enumerate(zip(rows, batch.examples)):
-    pad = U - r.shape[0]
+    pad = T - r.shape[0]
     tokens[b, pad:] = r
     mask[b, pad:] = 1
     a = e.answer.shape[0]
@@ -921,19 +922,19 @@ def teacher_forced_inputs(batch: TaskBatch):
 
 def answer_loglik(logits_fn: LogitsFn, batch: TaskBatch) -> dict:
   """Teacher-forced answer log-likelihood: cheap, and graded where exact
-  match is all-or-nothing (a random model scores ~ -A·ln V, not just 0).
+  match is all-or-nothing (a random model scores ~ -I·ln V, not just 0).
 
   The model reads the prompt followed by the true answer's bytes; at each
   answer byte i it is scored on log p(answer_i | prompt, answer_<i).
 
   Args:
-    logits_fn: (tokens int32 [B, U], attention_mask int32 [B, U]) -> logits
-      [B, U, V] (left padding), e.g. `kvjax.forward` or a cache-policy
-      prefill with all_logits (`kvjax.task_eval`).
+    logits_fn: (tokens int32 [B, T], attention_mask int32 [B, T]) -> logits
+      [B, T, V] (left padding), e.g. `kvjax.forward` or a cache-policy
+      prefill with all_logits (`kvjax.lab.task_eval`).
     batch: from `batch_examples`.
   Returns:
     {'loglik': float [B] summed nats over the answer bytes,
-     'loglik_per_byte': float [B] (loglik / A_b),
+     'loglik_per_byte': float [B] (loglik / row b's answer length),
      'token_accuracy': float [B] share of answer bytes that are the argmax,
      'argmax_exact': float [B] 1.0 iff every answer byte is the argmax (the
        teacher-forced counterpart of `exact_match`; it equals greedy exact
@@ -945,7 +946,7 @@ def answer_loglik(logits_fn: LogitsFn, batch: TaskBatch) -> dict:
   if logits.shape[:2] != tokens.shape:
     raise ValueError(f"logits_fn returned shape {logits.shape}, expected "
                      f"[{B}, {tokens.shape[1]}, V]")
-  picked = logits[np.arange(B)[:, None], index]  # [B, A, V]
+  picked = logits[np.arange(B)[:, None], index]  # [B, I, V]
   top = picked.max(axis=-1, keepdims=True)
   logz = np.log(np.exp(picked - top).sum(axis=-1)) + top[..., 0]
   answers = np.where(batch.answer_mask, batch.answers, 0)
@@ -976,7 +977,7 @@ class Mixture:
     (plain next-byte prediction over the filler and needles), not only on
     the answers. The repeated filler then rewards copying from earlier
     context (induction), the skill retrieval needs; answer-only loss gives
-    A + 1 supervised tokens per row.
+    I + 1 supervised tokens per row.
   """
 
   tasks: tuple[tuple[str, float], ...]
@@ -1008,7 +1009,7 @@ class Mixture:
 @dataclasses.dataclass(frozen=True, eq=False)
 class TrainBatch:
   """inputs int32 [B, T]; targets int32 [B, T], PAD where no loss is taken
-  (so `kvjax.train.token_nll` applies the loss mask); kinds [B] the row's
+  (so `kvjax.train.masked_nll` applies the loss mask); kinds [B] the row's
   task name ('text' for plain rows)."""
 
   inputs: np.ndarray
@@ -1044,7 +1045,7 @@ def mixture_batch(mixture: Mixture, *, seed: int, step: int,
   the batches an uninterrupted one would.
 
   Each row draws its kind by weight, then a uniform depth in [0, 1] and an
-  example seed; a task row's prompt is T - A tokens (A its answer length),
+  example seed; a task row's prompt is T - I tokens (I its answer length),
   so prompt, answer and EOS make exactly T + 1.
 
   Args:
@@ -1098,13 +1099,11 @@ def mixture_from_dict(d: Mapping) -> Mixture:
 # ----------------------------------------------------------------------------
 # Training a task model on a mixture.
 #
-# `kvjax.train.fit` draws its batches from `kvjax.data.train_batch` and takes
-# the loss on every non-PAD target of one [B, T+1] array, so it cannot carry
-# a loss mask that differs from the inputs. Until it takes a batch function
-# (the hook: `fit(..., batch_fn=lambda step: (inputs, targets))`, with
-# `train_step` / `eval_step` taking the pair), the loop below reuses its
-# optimiser, state, loss and checkpoint layout, so `kvjax.train.
-# restore_params(workdir)` loads a task model like any other.
+# `kvjax.train.fit` runs the loop (batches by update index, resume,
+# checkpoints, metrics); a task model brings its batch function, a step that
+# takes (inputs, targets) with the loss mask in the targets, and its
+# evaluation. `kvjax.orbax_checkpoint.restore_params(workdir)` loads a task
+# model like any other.
 
 EVAL_SEED_OFFSET = 1_000_003  # evaluation rows come from another seed
 
@@ -1126,7 +1125,7 @@ def _masked_step_fns():
   @functools.partial(jax.jit, donate_argnums=0)
   def step_fn(state, inputs_BT, targets_BT):
     def loss_fn(params):
-      nll, count = train.token_nll(state.logits_fn(params, inputs_BT),
+      nll, count = train.masked_nll(state.logits_fn(params, inputs_BT),
                                    targets_BT)
       return nll / jnp.maximum(count, 1.0)
 
@@ -1140,7 +1139,7 @@ def _masked_step_fns():
   @jax.jit
   def eval_fn(state, inputs_BT, targets_BT):
     logits_BTV = state.logits_fn(state.params, inputs_BT)
-    nll, count = train.token_nll(logits_BTV, targets_BT)
+    nll, count = train.masked_nll(logits_BTV, targets_BT)
     mask_BT = targets_BT != data.PAD
     hit_BT = (jnp.argmax(logits_BTV, axis=-1) == targets_BT) & mask_BT
     row_exact_B = jnp.all(hit_BT | ~mask_BT, axis=-1)
@@ -1177,7 +1176,7 @@ def train_task_model(model_config, train_config, mixture: Mixture,
       must equal the mixture's.
     mixture: what the batches hold (`mixture_batch(seed=train_config.seed,
       step=i)` for update i).
-    workdir: checkpoints (kvjax.train's layout), metrics.jsonl, loss.png,
+    workdir: checkpoints (kvjax.orbax_checkpoint's layout), metrics.jsonl,
       config.json, final.json.
   Returns:
     The final validation record (`evaluate_mixture` on `eval_batches`
@@ -1188,6 +1187,7 @@ def train_task_model(model_config, train_config, mixture: Mixture,
   import time  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   import kvjax  # pylint: disable=g-import-not-at-top
+  from kvjax import orbax_checkpoint  # pylint: disable=g-import-not-at-top
   train = _train_lib()
   if model_config.vocab_size != data.VOCAB_SIZE:
     raise ValueError(f"model vocab_size={model_config.vocab_size}, byte "
@@ -1198,7 +1198,7 @@ def train_task_model(model_config, train_config, mixture: Mixture,
         f"train seq_len/batch_size ({train_config.seq_len}, "
         f"{train_config.batch_size}) differ from the mixture's "
         f"({mixture.seq_len}, {mixture.batch_size})")
-  train.quiet_orbax_logs()
+  orbax_checkpoint.quiet_orbax_logs()
   workdir = pathlib.Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   model_dict = model_config.to_dict()
@@ -1211,13 +1211,6 @@ def train_task_model(model_config, train_config, mixture: Mixture,
       model_config, jax.random.key(train_config.seed))
   state = train.create_train_state(params, train.model_logits_fn(model_config),
                                    train.make_optimizer(train_config))
-  manager = train.checkpoint_manager(workdir, keep=train_config.keep_checkpoints)
-  latest = manager.latest_step()
-  if latest is not None:
-    state = train.restore_train_state(manager, latest, state, model_dict)
-    logging.info("resumed from %s at step %d", manager.directory, latest)
-  metrics_path = workdir / train.METRICS_FILE
-  train._truncate_metrics(metrics_path, int(state.step))  # pylint: disable=protected-access
   # Validation scores the answers only, whatever the training loss covers.
   answers_only = dataclasses.replace(mixture, prompt_loss=False)
   eval_set = [mixture_batch(answers_only,
@@ -1227,45 +1220,17 @@ def train_task_model(model_config, train_config, mixture: Mixture,
   logging.info("task model %s: %d parameters; mixture %s", model_config.variant,
                kvjax.param_count(model_config), mixture.tasks)
 
-  def record(r):
-    with open(metrics_path, "a") as f:
-      f.write(json.dumps(r) + "\n")
-
-  schedule = train.learning_rate_schedule(train_config)
-  start, pending, final = time.perf_counter(), [], None
-  for i in range(int(state.step), train_config.num_steps):
+  def batch_fn(i):
     b = mixture_batch(mixture, seed=train_config.seed, step=i,
                       haystack=haystack, text=text)
-    state, m = step_fn(state, b.inputs, b.targets)
-    pending.append(m)
-    step = i + 1
-    if step % train_config.log_every == 0:
-      fetched = jax.device_get(pending)
-      loss = float(np.mean([x["loss"] for x in fetched]))
-      record({"step": step, "split": "train", "loss": loss,
-              "bits_per_byte": loss / math.log(2),
-              "grad_norm": float(fetched[-1]["grad_norm"]),
-              "lr": float(schedule(i)),
-              "elapsed_s": time.perf_counter() - start})
-      logging.info("step %d/%d  loss %.4f  |g| %.2f  (%.0f s)", step,
-                   train_config.num_steps, loss, fetched[-1]["grad_norm"],
-                   time.perf_counter() - start)
-      pending = []
-    if step % train_config.eval_every == 0 or step == train_config.num_steps:
-      final = {"step": step, "split": "validation",
-               **evaluate_mixture(state, eval_fn, eval_set)}
-      record(final)
-      logging.info("step %d  validation answer loss %.4f  token acc %.3f  "
-                   "row exact %.3f", step, final["loss"],
-                   final["token_accuracy"], final["row_exact"])
-      train.plot_metrics(metrics_path, workdir / train.PLOT_FILE)
-    if (step % train_config.checkpoint_every == 0 or
-        step == train_config.num_steps):
-      train.save_checkpoint(manager, state, model_dict)
-  if final is None:
-    final = {"step": int(state.step), "split": "validation",
-             **evaluate_mixture(state, eval_fn, eval_set)}
-  manager.close()
+    return b.inputs, b.targets
+
+  start = time.perf_counter()
+  _, final = train.fit(
+      state, batch_fn=batch_fn,
+      evaluate_fn=lambda st: evaluate_mixture(st, eval_fn, eval_set),
+      config=train_config, workdir=workdir, model_config_dict=model_dict,
+      step_fn=step_fn)
   final["wall_s"] = time.perf_counter() - start
   with open(workdir / "final.json", "w") as f:
     json.dump(final, f, indent=2)
@@ -1273,7 +1238,7 @@ def train_task_model(model_config, train_config, mixture: Mixture,
 
 
 def _main(argv):
-  """python -m kvjax.tasks --config=configs/tasks.py:gqa-passkey
+  """python -m kvjax.lab.tasks --config=configs/tasks.py:gqa-passkey
   --workdir=DIR: trains a task model (`train_task_model`)."""
   if len(argv) > 1:
     raise ValueError(f"unexpected arguments: {argv[1:]}")

@@ -16,8 +16,8 @@ problem raises `ValueError` naming the file and the tensor.
 
 Layout conversion (once, at load): HF linear weights are `[out, in]`; kvjax
 stores `[in, out]` with heads split out (q `[D, N, H]`, o `[N, H, D]`, ...).
-DeepSeek's `kv_b_proj [N·(P+V), C]` is split into `w_uk [C, N, P]` and
-`w_uv [C, N, V]`; routed experts are stacked on an E axis.
+DeepSeek's `kv_b_proj [N·(P+O), C]` is split into `w_uk [C, N, P]` and
+`w_uv [C, N, O]`; routed experts are stacked on an E axis.
 
 config.json: both the transformers-5 format (`rope_parameters`, `dtype`) and
 the older Hub format (top-level `rope_theta`, `rope_scaling` with `type` or
@@ -41,7 +41,7 @@ import ml_dtypes
 import numpy as np
 import safetensors
 
-from kvjax import model as model_lib
+from kvjax import params as params_lib
 from kvjax.config import ModelConfig, MoEConfig, RopeScaling
 from kvjax.validate import check_bool, check_float, check_int
 
@@ -457,8 +457,8 @@ def _tensor_plan(config: ModelConfig,
                                           _vector(at("attn", "o_bias"), (D,)))
     else:
       C, R = config.kv_lora_rank, config.qk_rope_head_dim
-      P, Vh, Q = (config.qk_nope_head_dim, config.v_head_dim,
-                  config.q_lora_rank)
+      P, O, Q = (config.qk_nope_head_dim, config.v_head_dim,
+                 config.q_lora_rank)
       if Q:
         plan[a + "q_a_proj.weight"] = _Tensor(
             (Q, D), _linear(at("attn", "q_a"), (D, Q)))
@@ -474,15 +474,15 @@ def _tensor_plan(config: ModelConfig,
       plan[a + "kv_a_layernorm.weight"] = _Tensor(
           (C,), _vector(at("attn", "kv_a_norm"), (C,)))
 
-      def put_kv_b(w, at=at, C=C, P=P, Vh=Vh):
-        # Per head the rows are [k_nope (P) | v (V)].
-        w_CNJ = w.T.reshape(C, N, P + Vh)
-        return {at("attn", "w_uk"): w_CNJ[..., :P],
-                at("attn", "w_uv"): w_CNJ[..., P:]}
+      def put_kv_b(w, at=at, C=C, P=P, O=O):
+        # Per head the rows are [k_nope (P) | v (O)].
+        kv_b = w.T.reshape(C, N, P + O)
+        return {at("attn", "w_uk"): kv_b[..., :P],
+                at("attn", "w_uv"): kv_b[..., P:]}
 
-      plan[a + "kv_b_proj.weight"] = _Tensor((N * (P + Vh), C), put_kv_b)
+      plan[a + "kv_b_proj.weight"] = _Tensor((N * (P + O), C), put_kv_b)
       plan[a + "o_proj.weight"] = _Tensor(
-          (D, N * Vh), _linear(at("attn", "o"), (N, Vh, D)))
+          (D, N * O), _linear(at("attn", "o"), (N, O, D)))
     m = pre + "mlp."
     if stack == "layers":
       F = config.mlp_dim
@@ -503,9 +503,9 @@ def _tensor_plan(config: ModelConfig,
     if i in fused_experts:
 
       def put_gate_up(w, at=at, F=F):
-        w_EDJ = np.swapaxes(w, 1, 2)  # [E, D, 2F]: gate then up
-        return {at("mlp", "expert_gate"): w_EDJ[..., :F],
-                at("mlp", "expert_up"): w_EDJ[..., F:]}
+        gate_up = np.swapaxes(w, 1, 2)  # [E, D, 2F]: gate then up
+        return {at("mlp", "expert_gate"): gate_up[..., :F],
+                at("mlp", "expert_up"): gate_up[..., F:]}
 
       plan[m + "experts.gate_up_proj"] = _Tensor((E, 2 * F, D), put_gate_up)
       plan[m + "experts.down_proj"] = _Tensor(
@@ -521,10 +521,10 @@ def _tensor_plan(config: ModelConfig,
         plan[x + "down_proj.weight"] = _Tensor(
             (D, F), _linear(at("mlp", "expert_down", e=e), (F, D)))
     if moe.num_shared_experts:
-      Fs = F * moe.num_shared_experts
-      for name, shape, dst in (("gate", (Fs, D), (D, Fs)),
-                               ("up", (Fs, D), (D, Fs)),
-                               ("down", (D, Fs), (Fs, D))):
+      Fp = F * moe.num_shared_experts  # F'
+      for name, shape, dst in (("gate", (Fp, D), (D, Fp)),
+                               ("up", (Fp, D), (D, Fp)),
+                               ("down", (D, Fp), (Fp, D))):
         plan[m + f"shared_experts.{name}_proj.weight"] = _Tensor(
             shape, _linear(at("mlp", f"shared_{name}"), dst))
   return plan
@@ -659,7 +659,7 @@ def _validate(config: ModelConfig, hf: Mapping[str, Any], where, path: str,
     raise ValueError(
         f"checkpoint {path} does not match its config.json "
         f"(model_type={hf['model_type']}: "
-        f"{model_lib._shape_fields(config)}):\n  " +  # pylint: disable=protected-access
+        f"{params_lib.shape_fields(config)}):\n  " +
         "\n  ".join(errors))
 
 
@@ -695,7 +695,7 @@ def _read(path: str, where, plan: Mapping[str, _Tensor],
     leaf: only a tied model's lm_head).
   """
   shapes = jax.eval_shape(
-      lambda: model_lib.init_params(config, jax.random.key(0)))
+      lambda: params_lib.init_params(config, jax.random.key(0)))
   tree = jax.tree_util.tree_map_with_path(
       lambda p, s: np.zeros(s.shape, _leaf_dtype(config, p[-1].key)), shapes)
   written = collections.Counter()

@@ -21,13 +21,14 @@ from absl import logging
 import jax
 import numpy as np
 
-from kvjax import benchmarking
 from kvjax import cache as cache_lib
 from kvjax import cli
 from kvjax import inference
+from kvjax import orbax_checkpoint
 from kvjax import train
 from kvjax.config import ModelConfig
-from kvjax.model import param_count
+from kvjax.lab import benchmarking
+from kvjax.params import param_count
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,7 +222,7 @@ def run_ablation(model_configs: Mapping[str, ModelConfig],
   for variant in model_configs:
     # Decode speed does not depend on the seed: time the first seed's model.
     wd = next(r.workdir for r in runs if r.variant == variant)
-    _, params[variant] = train.restore_params(wd)
+    _, params[variant] = orbax_checkpoint.restore_params(wd)
   speed = decode_speed(model_configs, params)
   rows = summarize(runs, model_configs, speed)
   write_outputs(rows, runs, workdir, time.perf_counter() - t0)

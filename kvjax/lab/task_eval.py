@@ -1,4 +1,4 @@
-"""Task accuracy through a bounded KV cache (`kvjax.tasks` examples).
+"""Task accuracy through a bounded KV cache (`kvjax.lab.tasks` examples).
 
 Only kvjax's public API runs the model: `kvjax.generate`, `kvjax.prefill`,
 `kvjax.decode_step`, `kvjax.init_cache`, `kvjax.CachePolicy` and
@@ -22,8 +22,9 @@ model, chosen per call by `one_pass`:
              then greedy `decode_step`s. Every cache sees the prompt as a
              stream, token by token, as in StreamingLLM and H2O.
 
-Dimension alphabet: B batch, T prompt length, A answer length, U teacher-
-forced input length (T + A - 1), V vocab, S cache slots.
+Dimension alphabet (`kvjax.config`): B batch, T prompt length (a teacher-
+forced input: T + I - 1), I answer length (the tokens to generate), V vocab,
+S cache slots.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ import numpy as np
 
 import kvjax
 from kvjax import data
-from kvjax import tasks as tasks_lib
+from kvjax.lab import tasks as tasks_lib
 
 _POLICY = re.compile(r"^(full|window|h2o|sinks(\d+))(?::(original|cache))?$")
 DEFAULT_POSITIONS = {"full": "original", "window": "original",
@@ -57,7 +58,7 @@ class PolicySpec:
     slots for the recent window as in the H2O paper's 20% = 10% + 10%).
   positions: 'original' (keys rotated at their stream position) or 'cache'
     (at their rank in the cache, StreamingLLM's choice). Defaults: window
-    and full 'original', sinks and h2o 'cache' (as `kvjax.streaming`).
+    and full 'original', sinks and h2o 'cache' (as `kvjax.lab.streaming`).
   """
 
   name: str
@@ -162,12 +163,12 @@ def generate_answers(params, config, tokens, attention_mask, max_new: int,
 
   Args:
     tokens, attention_mask: int32 [B, T] (left padding).
-    max_new: A, tokens to generate.
+    max_new: I, tokens to generate.
     policy, capacity: the cache.
     stream: force the streamed path (True) or the one-pass one (False);
       None chooses by `one_pass`.
   Returns:
-    int32 [B, A] generated ids.
+    int32 [B, I] generated ids.
   """
   T = int(np.asarray(attention_mask).sum(axis=1).max())
   if stream is None:
@@ -192,16 +193,16 @@ def teacher_forced_logits(params, config, tokens, attention_mask,
                           policy: kvjax.CachePolicy, capacity: int, *,
                           keep: int | None = None,
                           stream: bool | None = None) -> np.ndarray:
-  """Logits of every position of [B, U] inputs read through the cache.
+  """Logits of every position of [B, T] inputs read through the cache.
 
   One pass: `kvjax.prefill(all_logits=True)`. Streamed: only the last
   `keep` positions are real (the rest are zeros); `tasks.answer_loglik`
   reads only the answer positions, which are the last ones.
 
   Returns:
-    float32 [B, U, V].
+    float32 [B, T, V].
   """
-  U = tokens.shape[1]
+  T = tokens.shape[1]
   n = int(np.asarray(attention_mask).sum(axis=1).max())
   if stream is None:
     stream = not one_pass(policy, capacity, n)
@@ -211,11 +212,11 @@ def teacher_forced_logits(params, config, tokens, attention_mask,
                               all_logits=True)
     return np.asarray(logits)
   _check_unpadded(attention_mask)
-  keep = U if keep is None else keep
+  keep = T if keep is None else keep
   logits, _ = _stream_prompt(params, config, jnp.asarray(tokens), policy,
                              capacity, keep)
-  full = np.zeros((tokens.shape[0], U, logits.shape[-1]), np.float32)
-  full[:, U - keep:] = np.asarray(logits)
+  full = np.zeros((tokens.shape[0], T, logits.shape[-1]), np.float32)
+  full[:, T - keep:] = np.asarray(logits)
   return full
 
 
@@ -250,8 +251,8 @@ def evaluate(params, config, examples: Sequence[tasks_lib.Example],
     by_length[(e.length, e.answer.shape[0])].append(e)
   plans = {key: spec.capacity(budget, *key) for key in by_length}
   records = []
-  for (T, A), group in sorted(by_length.items()):
-    capacity = plans[(T, A)]
+  for (T, I), group in sorted(by_length.items()):
+    capacity = plans[(T, I)]
     cache_policy = spec.at(capacity)
     kv_bytes = kvjax.kv_bytes_per_token(config, cache_policy.kv_dtype) * (
         capacity)
@@ -275,7 +276,7 @@ def evaluate(params, config, examples: Sequence[tasks_lib.Example],
         def logits_fn(tokens, mask, cache_policy=cache_policy,
                       capacity=capacity):
           return teacher_forced_logits(params, config, tokens, mask,
-                                       cache_policy, capacity, keep=A)
+                                       cache_policy, capacity, keep=I)
         scores.update(tasks_lib.answer_loglik(logits_fn, batch))
       for b, e in enumerate(batch.examples[:real]):
         r = dict(task=e.task, length=T, depth=e.depth,
