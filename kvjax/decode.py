@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from kvjax import blocked
 from kvjax import cache as cache_lib
 from kvjax import model
+from kvjax import projections
 from kvjax.config import ModelConfig
 
 ATTEND_MIN = 128  # smallest attention prefix a decode segment uses
@@ -145,8 +146,7 @@ def plan(params, config: ModelConfig, policy: cache_lib.CachePolicy,
     why = f"attention={config.attention!r} has no per-head keys"
   elif policy.quantized:
     why = f"kv_dtype={policy.kv_dtype!r} (int8 scales are not blocked)"
-  elif not all(isinstance(params[n], (list, tuple))
-               for n in ("layers", "moe_layers") if n in params):
+  elif not projections.is_packed(params):
     why = ("stacked layer params reach the cache by a traced layer index; "
            "per-layer arrays need the decode layout (`kvjax.pack`)")
   if decode_layout == "blocked":

@@ -167,7 +167,7 @@ def moe_mlp(p, x_BTD, config: ModelConfig, path: str | None = None):
     ids_Te, weights_Te = route(p, x_TD, config)
   with jax.named_scope("experts"):
     y_TD = routed_experts(p, x_TD, ids_Te, weights_Te, config, path)
-  if "shared_gate" in p:
+  if config.moe.num_shared_experts:
     y_TD = y_TD + swiglu(x_TD, p["shared_gate"], p["shared_up"],
                          p["shared_down"])
   return y_TD.reshape(B, T, D)

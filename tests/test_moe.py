@@ -177,12 +177,14 @@ class MoETest(chex.TestCase):
     config = BASE.replace(moe=m)
     p = _layer_params(config)
     x_BTD = _inputs((1, 4, config.embed_dim), 8)
+    self.assertGreater(m.num_shared_experts, 0)
+    unshared = BASE.replace(moe=dataclasses.replace(m, num_shared_experts=0))
     without = {k: v for k, v in p.items() if not k.startswith("shared")}
     x_TD = x_BTD[0]
     shared = (jax.nn.silu(x_TD @ p["shared_gate"]) *
               (x_TD @ p["shared_up"])) @ p["shared_down"]
     assert_close(moe.moe_mlp(p, x_BTD, config)[0],
-                 moe.moe_mlp(without, x_BTD, config)[0] + shared, depth=1)
+                 moe.moe_mlp(without, x_BTD, unshared)[0] + shared, depth=1)
 
   def test_moe_shapes_need_moe(self):
     with self.assertRaisesRegex(ValueError, "moe"):
