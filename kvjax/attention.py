@@ -9,11 +9,13 @@ where K and V come from (`Step.mode`).
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 from flax import struct
 
-from kvjax import blocked as blocked_lib
 from kvjax import cache as cache_lib
 from kvjax import kivi
 from kvjax import projections
@@ -203,6 +205,46 @@ def read_kv(cache: cache_lib.KVCache, layer, dtype, prefix: int = 0):
   return quant.dequantize(cache.k[layer, :, :, :S], k_scale, dtype), v_BKSH
 
 
+# ---- the decode cache protocol ----------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class DecodeCache:
+  """What a decode step needs of a cache kind: the only place its layout
+  shows. `gqa_attention` looks the kind up by the cache's type and never
+  branches on it.
+
+  write(cache, layer, slots_BT, k_BTKH, v_BTKH) -> cache: store the new
+    token's key and value (slot S: dropped).
+  read(cache, layer, dtype, prefix) -> (keys, v_BKSH): one layer's keys in
+    the kind's own layout and its values (the first `prefix` slots when
+    prefix > 0).
+  attend(q_BTKGH, keys, v_BKSH, mask_BKTS, scale, impl) -> (out_BTKGH,
+    probs_BKGTS or None): masked softmax attention of the step's queries.
+  """
+  write: Callable
+  read: Callable
+  attend: Callable
+
+
+_DECODE_CACHES: dict[type, DecodeCache] = {}
+
+
+def register_decode_cache(kind: type, ops: DecodeCache):
+  """Makes `kind` a decode cache (`kvjax.blocked` registers `BlockedKV`)."""
+  _DECODE_CACHES[kind] = ops
+
+
+def decode_cache(cache) -> DecodeCache:
+  try:
+    return _DECODE_CACHES[type(cache)]
+  except KeyError:
+    raise TypeError(f"{type(cache).__name__} is not a registered decode "
+                    "cache (attention.register_decode_cache)") from None
+
+
+register_decode_cache(cache_lib.KVCache,
+                      DecodeCache(write=write_kv, read=read_kv, attend=attend))
+
+
 def observe_scores(cache, probs_BKGTS, k_BKSH, mask_BKTS, step: Step,
                    layer):
   """Folds what one layer call shows a scored policy into `cache.scores`
@@ -306,7 +348,8 @@ def gqa_attention(p, x_BTD, step: Step, cache, layer, config: ModelConfig):
     p: this layer's attention params, either layout (`kvjax.projections`).
     x_BTD: normalized input.
     step: the call context.
-    cache: KVCache, a decode segment's `blocked.BlockedKV`, or None (mode
+    cache: a registered decode cache (`DecodeCache`: KVCache, a decode
+      segment's `blocked.BlockedKV`), or None (mode
       'forward'; a probe forward's `ProbeRecord`).
     layer: index of this layer in the cache's L axis (traced).
   Returns:
@@ -326,22 +369,19 @@ def gqa_attention(p, x_BTD, step: Step, cache, layer, config: ModelConfig):
 
   q_BTKGH = q_BTNH.reshape(B, T, K, G, H)
   mask_BKTS = layer_mask(step, layer)
-  if isinstance(cache, blocked_lib.BlockedKV):  # generate's batched decode
-    cache = blocked_lib.write(cache, layer, step.slots, k_store_BTKH, v_BTKH)
-    k_BKWHX, v_BKSH = blocked_lib.read(cache, layer, dtype)
-    out_BTKGH, _ = decode_softmax_values(
-        blocked_lib.key_logits(q_BTKGH, k_BKWHX), v_BKSH, mask_BKTS,
-        config.softmax_scale, dtype)
-    return projections.attn_out(p, out_BTKGH.reshape(B, T, N, H),
-                              config), cache
   compress = step.mode == "prefill" and cache.policy.scoped
+  attend_fn = attend
   if step.mode == "decode":
-    cache = write_kv(cache, layer, layer_slots(step, layer), k_store_BTKH,
-                     v_BTKH)
-    k_BKSH, v_BKSH = read_kv(cache, layer, dtype, step.attend)
+    # The cache kind (stacked KVCache, a segment's BlockedKV, ...) decides
+    # how keys are stored and read (`DecodeCache`).
+    kind = decode_cache(cache)
+    cache = kind.write(cache, layer, layer_slots(step, layer), k_store_BTKH,
+                       v_BTKH)
+    k_BKSH, v_BKSH = kind.read(cache, layer, dtype, step.attend)
     if pre_rope:
       k_BKSH = apply_rope(k_BKSH, step.cos_k[:, None], step.sin_k[:, None],
                           config.rope_layout)
+    attend_fn = kind.attend
   else:
     k_BKSH = jnp.swapaxes(k_rot_BTKH, 1, 2)
     v_BKSH = jnp.swapaxes(v_BTKH, 1, 2)
@@ -353,8 +393,8 @@ def gqa_attention(p, x_BTD, step: Step, cache, layer, config: ModelConfig):
       cache = write_kv(cache, layer, step.slots, k_store_BTKH, v_BTKH,
                        fresh=step.mode == "prefill")
 
-  out_BTKGH, probs = attend(q_BTKGH, k_BKSH, v_BKSH, mask_BKTS,
-                            config.softmax_scale, config.attention_impl)
+  out_BTKGH, probs = attend_fn(q_BTKGH, k_BKSH, v_BKSH, mask_BKTS,
+                               config.softmax_scale, config.attention_impl)
   if compress:
     # Every layer sees the whole prompt; it keeps what its policy chooses.
     idx_BKS, cache = compress_prompt(cache, probs, k_BKSH, mask_BKTS, step,

@@ -23,7 +23,9 @@ for gqa-medium. At batch 1 XLA turns each one-token scatter into a copy of
 the layer's array (−9 %) and at batch 2 nothing is gained, so 'auto'
 blocks from `decode.BLOCKED_MIN_BATCH` sequences on.
 
-Every function returns a new cache; none mutates.
+`BlockedKV` is a decode cache kind (`attention.DecodeCache`, registered
+below): the attention code reads it through that protocol, unaware of its
+layout. Every function returns a new cache; none mutates.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from kvjax import attention
 from kvjax import cache as cache_lib
 from kvjax import quant
 
@@ -158,3 +161,22 @@ def key_logits(q_BTKGH, k_BKWHX):
   logits_BKWGX = jnp.einsum("BKWGH,BKWHX->BKWGX", q_BKWGH, k_BKWHX,
                             preferred_element_type=jnp.float32)
   return jnp.swapaxes(logits_BKWGX, 2, 3).reshape(B, K, G, W * X)
+
+
+def _read(blocked: BlockedKV, layer: int, dtype, prefix: int = 0):
+  del prefix  # a segment's blocked copy is its attended prefix already
+  return read(blocked, layer, dtype)
+
+
+def _attend(q_BTKGH, k_BKWHX, v_BKSH, mask_BKTS, scale: float,
+            impl: str = "einsum"):
+  """Decode attention over blocked keys (no probabilities are kept: the
+  blocked layout runs eviction 'none' only; `impl` does not apply)."""
+  del impl
+  out_BTKGH, _ = attention.decode_softmax_values(
+      key_logits(q_BTKGH, k_BKWHX), v_BKSH, mask_BKTS, scale, q_BTKGH.dtype)
+  return out_BTKGH, None
+
+
+attention.register_decode_cache(
+    BlockedKV, attention.DecodeCache(write=write, read=_read, attend=_attend))

@@ -144,6 +144,18 @@ class LayoutTest(parameterized.TestCase):
     assert_close(got, want, depth=1)
     assert_close(got_p, want_p, depth=1)
 
+  def test_attention_reads_it_through_the_decode_cache_protocol(self):
+    # attention.py never names the blocked layout: the kind registers its
+    # write / read / attend, and an unregistered kind is refused by name.
+    self.assertNotIn("blocked", vars(attention))
+    ops = attention.decode_cache(blocked.from_cache(
+        kvjax.init_cache(tiny("gqa"), 2, 128), 128))
+    self.assertIs(ops.write, blocked.write)
+    self.assertIs(attention.decode_cache(kvjax.init_cache(tiny("gqa"), 2, 8)
+                                         ).read, attention.read_kv)
+    with self.assertRaisesRegex(TypeError, "register_decode_cache"):
+      attention.decode_cache(object())
+
   def test_supports_names_what_it_cannot_block(self):
     config = tiny("gqa")
     cache = cache_lib.init_cache(config, 2, 256)

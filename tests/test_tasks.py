@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from configs import tasks as task_configs
+import cases  # pylint: disable=g-bad-import-order
 import kvjax
 from kvjax import data
 from kvjax.lab import task_eval
@@ -25,6 +26,15 @@ CUSTOM_SPECS = (tasks.PasskeySpec(digits=9),
                 tasks.NiahSpec(num_keys=5, num_queries=2, filler="needles"),
                 tasks.MqarSpec(key_length=3, value_digits=1, num_queries=2))
 DEPTHS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
+
+
+def _case(spec) -> str:
+  """A case name for a task name or a custom spec (its fields)."""
+  if isinstance(spec, str):
+    return spec
+  fields = "-".join(f"{k}{v}" for k, v in dataclasses.asdict(spec).items()
+                    if v != getattr(type(spec)(), k))
+  return f"{type(spec).__name__}-{fields}"
 
 
 def _lengths(name):
@@ -41,7 +51,7 @@ def _haystack():
 
 class GeneratorTest(parameterized.TestCase):
 
-  @parameterized.parameters(*TASK_NAMES)
+  @cases.product(name=tuple(TASK_NAMES))
   def test_deterministic_in_the_seed(self, name):
     a = tasks.generate(name, 512, 0.3, 7)
     b = tasks.generate(name, 512, 0.3, 7)
@@ -51,7 +61,8 @@ class GeneratorTest(parameterized.TestCase):
       np.testing.assert_array_equal(getattr(a, field), getattr(b, field))
     self.assertFalse(np.array_equal(a.tokens, c.tokens))
 
-  @parameterized.parameters(*(TASK_NAMES + CUSTOM_SPECS))
+  @cases.named(dict(testcase_name=_case(n), name=n)
+               for n in TASK_NAMES + CUSTOM_SPECS)
   def test_lengths_are_exact(self, name):
     spec = tasks.get_task(name)
     for n in _lengths(name):
@@ -64,7 +75,8 @@ class GeneratorTest(parameterized.TestCase):
         self.assertTrue(np.all(ex.tokens[1:] < data.BYTE_VOCAB))
         self.assertTrue(np.all(ex.answer < data.BYTE_VOCAB))
 
-  @parameterized.parameters(*(TASK_NAMES + CUSTOM_SPECS))
+  @cases.named(dict(testcase_name=_case(n), name=n)
+               for n in TASK_NAMES + CUSTOM_SPECS)
   def test_reference_solver_recovers_the_answer(self, name):
     for n in _lengths(name):
       for depth in DEPTHS:
@@ -74,7 +86,7 @@ class GeneratorTest(parameterized.TestCase):
               tasks.reference_answer(name, ex.tokens), ex.answer,
               err_msg=f"{name} length {n} depth {depth} seed {seed}")
 
-  @parameterized.parameters(*TASK_NAMES)
+  @cases.product(name=tuple(TASK_NAMES))
   def test_the_solver_reads_the_needle(self, name):
     # Overwriting the gold value in the prompt changes what is recoverable:
     # the answer lives where `values` says, nowhere else.
@@ -86,7 +98,7 @@ class GeneratorTest(parameterized.TestCase):
     self.assertFalse(np.array_equal(tasks.reference_answer(name, tokens),
                                     ex.answer))
 
-  @parameterized.parameters(*TASK_NAMES)
+  @cases.product(name=tuple(TASK_NAMES))
   def test_needles_are_where_they_say(self, name):
     spec = tasks.get_task(name)
     for depth in DEPTHS:
@@ -113,7 +125,7 @@ class GeneratorTest(parameterized.TestCase):
       self.assertCountEqual(gold_values, answer_parts)
       self.assertEqual(int(ex.gold.sum()), len(answer_parts))
 
-  @parameterized.parameters(*[n for n in TASK_NAMES if n != "mqar"])
+  @cases.product(name=tuple(n for n in TASK_NAMES if n != "mqar"))
   def test_needles_do_not_split_sentences_or_words(self, name):
     for depth in DEPTHS:
       ex = tasks.generate(name, 1500, depth, 6, _haystack())
@@ -124,7 +136,7 @@ class GeneratorTest(parameterized.TestCase):
         if ex.filler in ("noise", "needles"):  # whole sentences
           self.assertIn(ex.tokens[start - 1], (data.BOS, ord(".")))
 
-  @parameterized.parameters(*TASK_NAMES)
+  @cases.product(name=tuple(TASK_NAMES))
   def test_depth_is_realised(self, name):
     got = [tasks.generate(name, 2048, d, 5).needle_depth for d in DEPTHS]
     self.assertEqual(got[0], 0.0)
@@ -413,7 +425,7 @@ class MixtureTest(parameterized.TestCase):
 
 class ConfigTest(parameterized.TestCase):
 
-  @parameterized.parameters(*task_configs.PRESETS)
+  @cases.product(preset=task_configs.PRESETS)
   def test_every_preset_builds(self, preset):
     cfg = task_configs.get_config(preset)
     config = kvjax.ModelConfig.from_dict(cfg.model.to_dict())
@@ -442,11 +454,11 @@ class ConfigTest(parameterized.TestCase):
 
 class PolicyTest(parameterized.TestCase):
 
-  @parameterized.parameters(
+  @cases.named(dict(name=n, eviction=e, positions=p) for n, e, p in (
       ("full", "none", "original"), ("window", "window", "original"),
       ("sinks4", "sinks", "cache"), ("h2o", "h2o", "cache"),
-      ("sinks1:original", "sinks", "original"), ("h2o:original", "h2o",
-                                                 "original"))
+      ("sinks1:original", "sinks", "original"),
+      ("h2o:original", "h2o", "original")))
   def test_parse(self, name, eviction, positions):
     spec = task_eval.parse_policy(name)
     policy = spec.at(64)
@@ -503,7 +515,7 @@ def _tiny_model():
 @pytest.mark.slow
 class DriverTest(parameterized.TestCase):
 
-  @parameterized.parameters("full", "h2o", "sinks2")
+  @cases.product(name=("full", "h2o", "sinks2"))
   def test_streamed_equals_one_pass(self, name):
     # With room for the whole prompt, streaming it through decode_step and
     # prefilling it in one call are the same computation.
@@ -521,7 +533,7 @@ class DriverTest(parameterized.TestCase):
                                           cap, stream=True)
     np.testing.assert_array_equal(one, streamed)
 
-  @parameterized.parameters("window", "sinks2:original")
+  @cases.product(name=("window", "sinks2:original"))
   def test_one_pass_over_a_small_cache_equals_streaming(self, name):
     # The premise of `one_pass`: a positional policy with original
     # positions masks a one-call prefill to what a token-by-token stream
@@ -541,7 +553,7 @@ class DriverTest(parameterized.TestCase):
                                           cap, stream=True)
     np.testing.assert_array_equal(one, streamed)
 
-  @parameterized.parameters("full", "h2o")
+  @cases.product(name=("full", "h2o"))
   def test_streamed_teacher_forcing_equals_one_pass(self, name):
     config, params = _tiny_model()
     batch = tasks.batch_examples([tasks.generate("passkey", 128, d, 0)
