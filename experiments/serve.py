@@ -93,7 +93,7 @@ def main(argv):
   sizes = dict(page_size=_PAGE.value, capacity=_CAPACITY.value,
                num_pages=_PAGES.value, chunk=_CHUNK.value,
                prefill_rows=_PREFILL_ROWS.value, decode_steps=_STEPS.value)
-  machine = dict(benchmarking.machine_info(), cpu_model=serving.cpu_model())
+  machine = dict(benchmarking.machine_info(), cpu_model=benchmarking.cpu_model())
   logging.info("%s on %s", preset, machine["cpu_model"])
   trace = serving.TraceSpec(n=_REQUESTS.value, rate=_RATE.value,
                             seed=_SEED.value)

@@ -25,8 +25,6 @@ task and policy at --heatmap_budget).
 
 import json
 import os
-import platform
-import subprocess
 import time
 
 
@@ -41,6 +39,7 @@ from kvjax import cli
 from kvjax import configs
 from kvjax import data
 from kvjax import orbax_checkpoint
+from kvjax.lab import benchmarking as bm
 from kvjax.lab import task_eval
 from kvjax.lab import tasks
 
@@ -78,26 +77,6 @@ _BATCH = flags.DEFINE_integer("batch_size", 16,
 _DATA_DIR = flags.DEFINE_string("data_dir", None,
                                 "Austen corpus for text haystacks (default: "
                                 "kvjax.data's; noise filler if missing).")
-
-
-def cpu_model() -> str:
-  """lscpu's "Model name" (else /proc/cpuinfo's, else platform's)."""
-  try:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True,
-                         check=True).stdout
-    for line in out.splitlines():
-      if line.startswith("Model name:"):
-        return line.split(":", 1)[1].strip()
-  except (OSError, subprocess.CalledProcessError):
-    pass
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("model name"):
-          return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor() or "unknown"
 
 
 def load_model():
@@ -284,7 +263,7 @@ def main(argv):
               _TASKS.value, budgets, title)
   plot_heatmaps(records, os.path.join(_WORKDIR.value, "heatmap.png"),
                 _TASKS.value, heat_budget, [s.name for s in specs], title)
-  machine = dict(cpu_model=cpu_model(), cpu_count=os.cpu_count(),
+  machine = dict(cpu_model=bm.cpu_model(), cpu_count=os.cpu_count(),
                  jax=jax.__version__, backend=jax.default_backend(),
                  loadavg=os.getloadavg())
   out = dict(model=what, variant=config.variant,

@@ -566,6 +566,19 @@ def _check_tables(paged: PagedCache, write_table, new_B: np.ndarray,
   return table.astype(np.int32)
 
 
+def _checked_call(params, config: ModelConfig, tokens, paged, attention_mask,
+                  what: str):
+  """The host checks of a prompt call, before compute: (decode-layout
+  params, tokens, mask, real tokens per row n_B)."""
+  params_lib.check_params(params, config)
+  params = packed.for_decode(params, config)
+  tokens = inference.check_tokens(tokens, config)
+  check_paged(paged, config, tokens.shape[0])
+  errors.raise_if_set(paged, f"{what}: the cache passed in")
+  mask = inference.check_mask(attention_mask, tokens)
+  return params, tokens, mask, np.asarray(mask).sum(axis=1)
+
+
 def prefill(params, config: ModelConfig, tokens, paged: PagedCache,
             attention_mask=None, *, write_table=None):
   """`kvjax.prefill` through the block table: the prompt in one pass into
@@ -580,13 +593,8 @@ def prefill(params, config: ModelConfig, tokens, paged: PagedCache,
   Returns:
     (logits [B, V] at the last position, new PagedCache).
   """
-  params_lib.check_params(params, config)
-  params = packed.for_decode(params, config)
-  tokens = inference.check_tokens(tokens, config)
-  check_paged(paged, config, tokens.shape[0])
-  errors.raise_if_set(paged, "paged.prefill: the cache passed in")
-  mask = inference.check_mask(attention_mask, tokens)
-  n_B = np.asarray(mask).sum(axis=1)
+  params, tokens, mask, n_B = _checked_call(params, config, tokens, paged,
+                                             attention_mask, "paged.prefill")
   paged = paged.replace(length=jnp.zeros_like(paged.length))
   table = _check_tables(paged, write_table, n_B, "paged.prefill")
   A = view_pages(int(n_B.max()), paged.page_size, paged.max_pages)
@@ -603,13 +611,8 @@ def extend(params, config: ModelConfig, tokens, paged: PagedCache,
   Returns:
     (logits [B, V] at the last position, new PagedCache).
   """
-  params_lib.check_params(params, config)
-  params = packed.for_decode(params, config)
-  tokens = inference.check_tokens(tokens, config)
-  check_paged(paged, config, tokens.shape[0])
-  errors.raise_if_set(paged, "paged.extend: the cache passed in")
-  mask = inference.check_mask(attention_mask, tokens)
-  n_B = np.asarray(mask).sum(axis=1)
+  params, tokens, mask, n_B = _checked_call(params, config, tokens, paged,
+                                             attention_mask, "paged.extend")
   table = _check_tables(paged, write_table, n_B, "paged.extend")
   A = view_pages(int((np.asarray(paged.length) + tokens.shape[1]).max()),
                  paged.page_size, paged.max_pages)

@@ -36,8 +36,10 @@ import dataclasses
 import functools
 import gc
 import os
+import platform
 import resource
 import statistics
+import subprocess
 import time
 from typing import Any, Callable, Mapping
 
@@ -545,7 +547,15 @@ def machine_info() -> dict[str, Any]:
 
 
 def cpu_model() -> str:
-  """The host CPU's model name (lscpu's "Model name"; '' if unknown)."""
+  """lscpu's "Model name" (else /proc/cpuinfo's, else platform's)."""
+  try:
+    out = subprocess.run(["lscpu"], capture_output=True, text=True,
+                         check=True).stdout
+    for line in out.splitlines():
+      if line.startswith("Model name:"):
+        return line.split(":", 1)[1].strip()
+  except (OSError, subprocess.CalledProcessError):
+    pass
   try:
     with open("/proc/cpuinfo") as f:
       for line in f:
@@ -553,7 +563,7 @@ def cpu_model() -> str:
           return line.split(":", 1)[1].strip()
   except OSError:
     pass
-  return ""
+  return platform.processor() or "unknown"
 
 
 # ---- runners: the measurements the experiments report ----------------------

@@ -23,8 +23,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import platform
-import subprocess
 from typing import Any
 
 from absl import logging
@@ -98,26 +96,6 @@ def make_trace(spec: TraceSpec, vocab_size: int, capacity: int) -> list:
 
 
 # ---- measurements -----------------------------------------------------------
-def cpu_model() -> str:
-  """lscpu's "Model name" (else /proc/cpuinfo's, else platform's)."""
-  try:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True,
-                         check=True).stdout
-    for line in out.splitlines():
-      if line.startswith("Model name:"):
-        return line.split(":", 1)[1].strip()
-  except (OSError, subprocess.CalledProcessError):
-    pass
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("model name"):
-          return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor() or "unknown"
-
-
 def time_weighted_utilisation(timeline: list) -> float | None:
   """sum(used · dt) / sum(allocated · dt) over a run's iterations (each
   iteration's state held for its duration)."""
