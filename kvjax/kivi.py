@@ -57,33 +57,56 @@ def read(payload, scale, resid, layer, positions_BS, group: int, dtype,
   S = prefix or payload.shape[-2]
   if S % group:
     raise ValueError(f"prefix={S} is not a multiple of key_group={group}")
-  x = quant.dequantize_groups(payload[layer][..., :S, :],
-                              scale[layer][..., :S // group, :], group, -2,
-                              jnp.float32)
+  return rows(payload[layer][..., :S, :], scale[layer][..., :S // group, :],
+              resid[layer], positions_BS, group, dtype)
+
+
+def rows(payload, scale, resid, positions_BS, group: int, dtype):
+  """Rows [B, ..., S, H | C | R] in `dtype` of one layer's int8 groups
+  `payload` [B, ..., S, ...] and `scale` [B, ..., S / X, ...], the newest
+  group (per `positions_BS`) taken from its residual [B, ..., X, ...]
+  (however the caller laid its slots out: a paged cache gathers them)."""
+  S = payload.shape[-2]
+  x = quant.dequantize_groups(payload, scale, group, -2, jnp.float32)
   last_B = jnp.max(positions_BS, axis=1)
   group_B = jnp.where(last_B >= 0, last_B // group, -1)
-  r = resid[layer]
-  tiled = jnp.tile(r, (1,) * (r.ndim - 2) + (S // group, 1))
+  tiled = jnp.tile(resid, (1,) * (resid.ndim - 2) + (S // group, 1))
   use_BS = (jnp.arange(S) // group)[None, :] == group_B[:, None]
-  use = use_BS.reshape((use_BS.shape[0],) + (1,) * (r.ndim - 3) + (S, 1))
+  use = use_BS.reshape((use_BS.shape[0],) + (1,) * (resid.ndim - 3) +
+                       (S, 1))
   return jnp.where(use, tiled, x).astype(dtype)
+
+
+def one_token(resid, slot_B, new_row, group: int, valid_B):
+  """Decode's group update for one row per sequence at `slot_B` (where
+  `valid_B`; elsewhere nothing changes).
+
+  Args:
+    resid: one layer's residuals [B, ..., X, H | C | R] (float32).
+    new_row: [B, ..., H | C | R].
+  Returns:
+    (new residual, its group quantized: q [B, ..., X, ...] int8 and
+    scale [B, ..., 1, ...]): the X slots of the group that holds the slot.
+  """
+  B = slot_B.shape[0]
+  b_B = jnp.arange(B)
+  j_B = slot_B % group
+  bcast = (B,) + (1,) * (resid.ndim - 1)
+  # A row that opens a group clears the residual: the old group is final.
+  r = jnp.where((j_B == 0).reshape(bcast), 0.0, resid)
+  r = jnp.moveaxis(jnp.moveaxis(r, -2, 1).at[b_B, j_B].set(
+      new_row.astype(jnp.float32)), 1, -2)
+  r = jnp.where(valid_B.reshape(bcast), r, resid)
+  q, s = quant.quantize_groups(r, group, -2)
+  return r, q, s
 
 
 def _write_one(payload, scale, resid, layer, slot_B, new_row, group: int):
   """Decode: one row per sequence at `slot_B` (S: dropped)."""
   S = payload.shape[-2]
-  B = slot_B.shape[0]
-  b_B = jnp.arange(B)
   valid_B = slot_B < S
-  j_B, group_B = slot_B % group, slot_B // group
-  bcast = (B,) + (1,) * (resid.ndim - 2)
-  old = resid[layer]  # [B, ..., X, H | C | R]
-  # A row that opens a group clears the residual: the old group is final.
-  r = jnp.where((j_B == 0).reshape(bcast), 0.0, old)
-  r = jnp.moveaxis(jnp.moveaxis(r, -2, 1).at[b_B, j_B].set(
-      new_row.astype(jnp.float32)), 1, -2)
-  r = jnp.where(valid_B.reshape(bcast), r, old)
-  q, s = quant.quantize_groups(r, group, -2)  # s: [B, ..., 1, H | C | R]
+  group_B = slot_B // group
+  r, q, s = one_token(resid[layer], slot_B, new_row, group, valid_B)
   slots_BX = jnp.where(valid_B[:, None],
                        group_B[:, None] * group + jnp.arange(group)[None, :],
                        S)

@@ -23,8 +23,9 @@ import jax.numpy as jnp
 from kvjax import kivi
 from kvjax import projections
 from kvjax import quant
-from kvjax.attention import (ProbeRecord, Step, compress_prompt, layer_mask,
-                             layer_slots, observe_scores)
+from kvjax.attention import (DecodeCache, ProbeRecord, Step, compress_prompt,
+                             decode_cache, layer_mask, layer_slots,
+                             observe_scores, register_decode_cache)
 from kvjax.cache import LatentCache, scatter_tokens
 from kvjax.config import ModelConfig
 from kvjax.layers import apply_rope, rms_norm
@@ -153,9 +154,12 @@ def mla_attention(p, x_BTD, step: Step, cache, layer, config: ModelConfig):
   compress = step.mode == "prefill" and cache.policy.scoped
   if step.mode == "decode":
     path = config.mla_decode
-    cache = write_latent(cache, layer, layer_slots(step, layer), c_BTC,
-                         r_store_BTR)
-    c_BSC, r_BSR = read_latent(cache, layer, dtype, step.attend)
+    # The cache kind (LatentCache, a paged pool, ...) decides how latents
+    # are stored and read (`attention.DecodeCache`).
+    kind = decode_cache(cache)
+    cache = kind.write(cache, layer, layer_slots(step, layer), c_BTC,
+                       r_store_BTR)
+    c_BSC, r_BSR = kind.read(cache, layer, dtype, step.attend)
     if pre_rope:
       # Only the shared rotary key is position-dependent: the latent part
       # needs no re-rotation, which makes cache-position mode cheap for MLA.
@@ -194,3 +198,9 @@ def mla_attention(p, x_BTD, step: Step, cache, layer, config: ModelConfig):
       cache = observe_scores(cache, probs_BNGTS, k_lat, mask_B1TS, step,
                              layer)
   return projections.attn_out(p, out_BTNO, config), cache
+
+
+# A latent decode cache's attention is `latent_attend` (it needs the layer's
+# params), so the kind registers storage only.
+register_decode_cache(LatentCache, DecodeCache(write=write_latent,
+                                               read=read_latent, attend=None))

@@ -37,7 +37,7 @@ never depends on which sequence holds it (the basis of prefix sharing).
 Evicting policies are bounded rolling buffers already; paging is for caches
 that grow.
 
-How a call runs (one jitted function each for prefill, extend, decode):
+How a prompt call runs (one jitted function each for prefill and extend):
 
   view     gather the A pages of every row into a contiguous `KVCache` /
            `LatentCache` [.., B, .., A · Y, ..]; positions from the lengths
@@ -55,26 +55,26 @@ How a call runs (one jitted function each for prefill, extend, decode):
            program. A touched page with no page to go to is recorded as
            OVERFLOW (the token would be lost), never dropped silently.
 
-Decode runs k steps per view (`decode_loop`: the one decode loop,
-`kvjax.decode.run`, with generate's plan, on the view): the gather and the
-write-back are paid once per k tokens. What they cost against the
-contiguous cache is measured by `kvjax.lab.serving.decode_step_cost`
-(experiments/serve.py).
-
-The hook that would remove the gather (not taken: kvjax.attention and
-kvjax.mla belong to the cache protocol): a `PagedKV` cache kind, handled
-where `BlockedKV` is, whose `write_kv` / `write_latent` scatter the new
-tokens to (block_table[b, slot // Y], slot % Y) of layer l's pool and
-whose `read_kv` / `read_latent` gather layer l's A pages per row
-(`_gather_pages` on pool[l]) in place of the `[l, :, :, :S]` slice that
-XLA:CPU already copies per layer before the attention products; positions
-come from the lengths as in `view`. The per-layer gather then replaces a
-copy the contiguous step makes anyway.
+Decode reads the pool in place: `decode_loop` runs the one decode loop
+(`kvjax.decode.run`) on a `PagedKV`, a decode cache kind
+(`attention.DecodeCache`, registered below) whose write puts each new
+token at (page, slot % Y) of its layer's pool and whose read gathers one
+layer's A pages per row straight into the [B, K, A · Y, H] (latent:
+[B, A · Y, C]) operand of the attention products. The contiguous stacked
+cache pays the same per-layer copy (XLA:CPU copies `k[l, :, :, :S]` before
+the dots), so no whole-cache view is built and nothing is written back:
+what paging costs a decode step is measured by
+`kvjax.lab.serving.decode_step_cost` (experiments/serve.py).
+Copy-on-write happens once per call, before the loop: every page the call
+will write whose write-table page differs from its block-table page is
+copied (a freshly mapped page is zeroed), and the loop reads and writes
+through the write table.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from typing import Union
 
 import jax
@@ -82,13 +82,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from kvjax import attention
 from kvjax import cache as cache_lib
 from kvjax import decode as decode_lib
 from kvjax import errors
 from kvjax import inference
+from kvjax import kivi
 from kvjax import model
 from kvjax import packed
 from kvjax import params as params_lib
+from kvjax import quant
 from kvjax.config import ModelConfig
 from kvjax.validate import check_int
 
@@ -369,6 +372,205 @@ def pages_written(tokens: int, page_size: int) -> int:
   return 1 + (tokens - 1 + page_size - 1) // page_size
 
 
+# ---- the decode cache kind (traced) ------------------------------------------
+@struct.dataclass
+class PagedKV:
+  """A decode call's paged cache: the pool read and written in place.
+
+  pool: field name -> [L, Z, ...] pool arrays (`PagedCache.pool`).
+  table: [B, A] int32 pages of each row's first A · Y slots (Z where none
+    is mapped: reads give zeros, writes are lost and recorded).
+  positions: [B, A · Y] slot s holds position s below the length, else
+    EMPTY (what `model.decode_step_info` masks and commits).
+  length, errors: [B] as in `PagedCache`.
+  limit: [B] slots at or past it are scratch: a row that has emitted the
+    tokens it keeps still steps with the batch (`decode_loop`), and its
+    writes there are dropped, not stored.
+  resid: KIVI's per-sequence residuals ({} otherwise).
+  policy: the `CachePolicy` (static).
+  """
+
+  pool: dict
+  table: jax.Array
+  positions: jax.Array
+  length: jax.Array
+  errors: jax.Array
+  limit: jax.Array
+  resid: dict
+  policy: cache_lib.CachePolicy = struct.field(
+      pytree_node=False, default=cache_lib.CachePolicy())
+  scores = None  # eviction 'none': nothing scored
+
+  @property
+  def kind(self) -> str:
+    return "latent" if "c_kv" in self.pool else "kv"
+
+  @property
+  def page_size(self) -> int:
+    return self.pool["c_kv"].shape[2] if self.kind == "latent" else (
+        self.pool["k"].shape[3])
+
+  @property
+  def capacity(self) -> int:
+    return self.table.shape[1] * self.page_size
+
+
+def _put(arr, layer, page_BT, off_BT, new_BT, slot_axis: int):
+  """arr[layer, page, ..., off, ...] = new (page Z: dropped)."""
+  new_BT = new_BT.astype(arr.dtype)
+  if slot_axis == 3:  # [L, Z, K, Y, ...]
+    return arr.at[layer, page_BT, :, off_BT].set(new_BT, mode="drop")
+  return arr.at[layer, page_BT, off_BT].set(new_BT, mode="drop")
+
+
+def _take_layer(arr, layer, table_BA, slot_axis: int):
+  """Layer `layer`'s pages `table_BA` of a [L, Z, ..., Y', ...] pool as
+  [B, ..., A · Y', ...] (page Z: zeros): one gather, laid out in place."""
+  nd = arr.ndim
+  B, A = table_BA.shape
+  starts = jnp.stack([jnp.broadcast_to(jnp.asarray(layer, jnp.int32),
+                                       (B, A)), table_BA], axis=-1)
+  dims = jax.lax.GatherDimensionNumbers(
+      offset_dims=tuple(range(1, slot_axis - 1)) + tuple(range(slot_axis,
+                                                               nd)),
+      collapsed_slice_dims=(0, 1), start_index_map=(0, 1))
+  x = jax.lax.gather(arr, starts, dims, (1, 1) + arr.shape[2:],
+                     mode=jax.lax.GatherScatterMode.FILL_OR_DROP,
+                     fill_value=0)  # [B, ..., A, Y', ...]
+  s = x.shape
+  a = slot_axis - 1
+  return x.reshape(s[:a] + (s[a] * s[a + 1],) + s[a + 2:])
+
+
+def _locate(cache: PagedKV, slots_BT):
+  """(page [B, T] (Z: drop), offset in page [B, T], lost [B]): where the
+  new tokens go; a kept token (slot below the limit) whose page is not
+  mapped is lost and recorded as OVERFLOW by the caller."""
+  Y, A = cache.page_size, cache.table.shape[1]
+  Z = next(iter(cache.pool.values())).shape[1]
+  j_BT = slots_BT // Y
+  page_BT = jnp.take_along_axis(cache.table, jnp.minimum(j_BT, A - 1),
+                                axis=1)
+  keep_BT = (slots_BT < cache.limit[:, None]) & (j_BT < A)
+  lost_B = jnp.any(keep_BT & (page_BT >= Z), axis=1)
+  return jnp.where(keep_BT, page_BT, Z), slots_BT % Y, lost_B
+
+
+def _triples(cache: PagedKV):
+  """(payload, scale, KIVI residual or None) of the two arrays a step
+  writes: keys and values, or MLA's latent and rotary key."""
+  names = ((("c_kv", "c_scale", "c_resid"), ("k_rope", "r_scale", "r_resid"))
+           if cache.kind == "latent" else
+           (("k", "k_scale", "k_resid"), ("v", "v_scale", "v_resid")))
+  return tuple((p, s, r if r in cache.resid else None) for p, s, r in names)
+
+
+def _write(cache: PagedKV, layer, slots_BT, a_BT, b_BT):
+  """Stores one layer's new (k, v) or MLA (c_kv, k_rope) at `slots`
+  (KIVI arrays: the group of the slot, from the updated residual)."""
+  page_BT, off_BT, lost_B = _locate(cache, slots_BT)
+  Z, Y = next(iter(cache.pool.values())).shape[1], cache.page_size
+  axes = _slot_axes(cache.kind)
+  pool, resid = dict(cache.pool), dict(cache.resid)
+  for (payload, scale, r_name), x in zip(_triples(cache), (a_BT, b_BT)):
+    ax = axes[payload]
+    if r_name is None:
+      q, s = quant.quantize(x, pool[payload].dtype)
+      pool[payload] = _put(pool[payload], layer, page_BT, off_BT, q, ax)
+      if s is not None:
+        pool[scale] = _put(pool[scale], layer, page_BT, off_BT, s, ax)
+      continue
+    # KIVI (T = 1): the group lies inside one page (Y % X == 0).
+    X = cache.policy.key_group
+    page_B, slot_B = page_BT[:, 0], slots_BT[:, 0]
+    r, q, s = kivi.one_token(resid[r_name][layer], slot_B, x[:, 0], X,
+                             page_B < Z)
+    first_B = (slot_B % Y) // X * X
+    pool[payload] = _put(
+        pool[payload], layer, jnp.repeat(page_B[:, None], X, axis=1),
+        first_B[:, None] + jnp.arange(X, dtype=jnp.int32)[None],
+        jnp.moveaxis(q, -2, 1), ax)
+    pool[scale] = _put(pool[scale], layer, page_B[:, None],
+                       (first_B // X)[:, None], jnp.moveaxis(s, -2, 1), ax)
+    resid[r_name] = resid[r_name].at[layer].set(r)
+  return errors.record(cache.replace(pool=pool, resid=resid),
+                       jnp.where(lost_B, errors.OVERFLOW, 0))
+
+
+def _read(cache: PagedKV, layer, dtype, prefix: int = 0):
+  """One layer's (keys [B, K, S, H], values [B, K, S, H]) or MLA's
+  (latents [B, S, C], rotary keys [B, S, R]) over the first `prefix`
+  slots (a multiple of the page size; 0: all A · Y)."""
+  Y = cache.page_size
+  S = prefix or cache.capacity
+  if S % Y:
+    raise ValueError(f"a paged read of {S} slots is not whole pages of {Y}")
+  table_BA = cache.table[:, :S // Y]
+  axes = _slot_axes(cache.kind)
+
+  def take(name):
+    arr = cache.pool.get(name)
+    return None if arr is None else _take_layer(arr, layer, table_BA,
+                                                axes[name])
+
+  out = []
+  for payload, scale, r_name in _triples(cache):
+    if r_name is None:
+      out.append(quant.dequantize(take(payload), take(scale), dtype))
+    else:
+      out.append(kivi.rows(take(payload), take(scale),
+                           cache.resid[r_name][layer],
+                           cache.positions[:, :S], cache.policy.key_group,
+                           dtype))
+  return tuple(out)
+
+
+attention.register_decode_cache(
+    PagedKV, attention.DecodeCache(write=_write, read=_read,
+                                   attend=attention.attend))
+
+
+def open_pages(paged: PagedCache, write_table, pages: int, steps: int,
+               new_B) -> PagedKV:
+  """The `PagedKV` of a decode call that adds `new_B` [B] (at most `steps`)
+  tokens per row over A = `pages` pages, copy-on-write done: each page the
+  call writes whose write-table page differs from its block-table page is
+  copied there first (zeroed when the block table maps none), so the call
+  reads and writes the write table alone. Rows keep their lengths."""
+  Z, Y, M = paged.num_pages, paged.page_size, paged.max_pages
+  start_B = paged.length
+  end_B = start_B + new_B
+  J = min(M, pages_written(steps, Y))
+  index_BJ = (start_B // Y)[:, None] + jnp.arange(J, dtype=jnp.int32)[None]
+  touched_BJ = (index_BJ * Y < end_B[:, None]) & (index_BJ < M)
+  index_BJ = jnp.minimum(index_BJ, M - 1)
+  src_BJ = jnp.take_along_axis(paged.block_table, index_BJ, axis=1)
+  dst_BJ = jnp.take_along_axis(write_table, index_BJ, axis=1)
+  copy_BJ = touched_BJ & (dst_BJ >= 0) & (dst_BJ != src_BJ)
+  src_BJ = jnp.where(src_BJ >= 0, src_BJ, Z)  # Z: zeros
+  dst_BJ = jnp.where(copy_BJ, dst_BJ, Z)  # Z: no copy
+  pool = {name: arr.at[:, dst_BJ].set(
+      jnp.take(arr, src_BJ, axis=1, mode="fill", fill_value=0), mode="drop")
+          for name, arr in paged.pool.items()}
+  table_BA = _widen(write_table, pages)
+  S = pages * Y
+  slot_S = jnp.arange(S, dtype=jnp.int32)
+  return PagedKV(
+      pool=pool, table=jnp.where(table_BA < 0, Z, table_BA),
+      positions=jnp.where(slot_S[None, :] < start_B[:, None], slot_S[None],
+                          cache_lib.EMPTY),
+      length=start_B, errors=paged.errors, limit=end_B, resid=paged.resid,
+      policy=paged.policy)
+
+
+def close_pages(paged: PagedCache, kv: PagedKV, write_table) -> PagedCache:
+  """`paged` after a decode call on `open_pages(paged, write_table, ...)`:
+  the pool, lengths and errors of `kv`; the write table becomes the block
+  table."""
+  return paged.replace(pool=kv.pool, block_table=write_table.astype(jnp.int32),
+                       length=kv.length, errors=kv.errors, resid=kv.resid)
+
+
 # ---- jitted bodies ----------------------------------------------------------
 @functools.partial(jax.jit, static_argnames=("config", "pages"),
                    donate_argnames=("paged",))
@@ -393,9 +595,9 @@ def _extend(params, config, tokens, mask, paged, write_table, pages):
 @functools.partial(jax.jit, static_argnames=("config", "pages"),
                    donate_argnames=("paged",))
 def _decode(params, config, token, paged, write_table, pages):
-  vc = view(paged, pages)
-  logits, vc = model.decode_logits(params, config, token, vc)
-  return logits, write_back(paged, vc, paged.length, pages, 1, write_table)
+  kv = open_pages(paged, write_table, pages, 1, jnp.ones_like(paged.length))
+  logits, kv = model.decode_logits(params, config, token, kv)
+  return logits, close_pages(paged, kv, write_table)
 
 
 def sample_rows(logits_BV, keys_B, sampler_B, samplers: tuple):
@@ -429,17 +631,18 @@ def sample_rows(logits_BV, keys_B, sampler_B, samplers: tuple):
 def decode_loop(params, config, token_B, paged, write_table, keys_BI,
                 sampler_B, valid_B, *, pages: int, steps: int,
                 samplers: tuple, plan: decode_lib.Plan = decode_lib.Plan()):
-  """`steps` decode steps of every row over one view of `pages` pages, by
-  the one decode loop (`kvjax.decode.run`, laid out by `plan`), the
-  touched pages written back once at the end: the gather is paid once per
-  `steps` tokens, not per token.
+  """`steps` decode steps of every row over its first `pages` pages, by the
+  one decode loop (`kvjax.decode.run`, laid out by `plan`) on a `PagedKV`:
+  every step reads each layer's pages in place and writes the new token
+  into its page; copy-on-write is done once, before the loop
+  (`open_pages`).
 
   Row b keeps `valid_B[b]` tokens (0: an idle row). A row past them stays
-  where it stopped: its length is held (the loop's per-step `pin`), so the
-  steps it still computes rewrite the slot after its last token, which is
-  never written back, and an idle row keeps its residuals (KIVI). `pages`
-  must cover length + steps of every row that keeps tokens, so such steps
-  stay inside the view (the view may be wider than the block table).
+  where it stopped: its length is held (the loop's per-step `pin`) and the
+  steps it still computes are scratch (their writes are dropped: the
+  `PagedKV` limit). `pages` must cover length + steps of every row that
+  keeps tokens (it may exceed the block table's M: those pages read as
+  zeros).
 
   Args:
     token_B: [B] the token each row feeds first.
@@ -449,43 +652,39 @@ def decode_loop(params, config, token_B, paged, write_table, keys_BI,
       key each row samples each of the I = `steps` steps with.
     sampler_B: [B] int32 index into `samplers` (`sample_rows`).
     valid_B: [B] int32 tokens each row keeps (<= steps).
-    plan: `decode.plan` for a `steps`-step loop over A · Y slots.
+    plan: `loop_plan(..., pages, ..., steps)`.
   Returns:
     (tokens [B, I] sampled (past valid_B: discard), new cache).
   """
-  vc = view(paged, pages)
-  start_B = paged.length
-  end_B = start_B + valid_B
-  idle_B = valid_B == 0
-  resid0 = paged.resid
+  kv = open_pages(paged, write_table, pages, steps, valid_B)
+  end_B = kv.limit
 
   def pin(logits_BV, cache):
-    held = dict(length=jnp.minimum(cache.length, end_B))
-    for name, r in resid0.items():  # [L, B, ...]
-      if getattr(cache, name, None) is not None:
-        idle = idle_B.reshape((1, -1) + (1,) * (r.ndim - 2))
-        held[name] = jnp.where(idle, r, getattr(cache, name))
-    return logits_BV, cache.replace(**held)
+    return logits_BV, cache.replace(length=jnp.minimum(cache.length, end_B))
 
   keys_IB = jnp.swapaxes(jax.random.wrap_key_data(keys_BI), 0, 1)
-  _, vc, toks_IB = decode_lib.run(
-      params, config, token_B, vc, keys_IB,
+  _, kv, toks_IB = decode_lib.run(
+      params, config, token_B, kv, keys_IB,
       choose=lambda logits_BV, key_B: sample_rows(logits_BV, key_B,
                                                   sampler_B, samplers),
       emit=lambda logits_BV, nxt_B, key_B, cache: nxt_B, plan=plan, pin=pin)
-  J = min(pages, pages_written(steps, paged.page_size))
-  return toks_IB.T, write_back(paged, vc, start_B, pages, J, write_table)
+  return toks_IB.T, close_pages(paged, kv, write_table)
 
 
 def loop_plan(params, config: ModelConfig, policy: cache_lib.CachePolicy,
               batch: int, pages: int, page_size: int,
               steps: int) -> decode_lib.Plan:
-  """`generate`'s plan (`decode.plan`) for `steps` steps over a view of
-  `pages` pages whose rows hold up to A · Y - steps tokens: the blocked
-  layout where generate would use it, one segment over the view."""
+  """The plan of a `decode_loop` of `steps` steps over `pages` pages whose
+  rows hold up to A · Y - steps tokens: generate's attention segments
+  (`decode.attention_schedule`), their prefixes whole pages, read in
+  place (the blocked layout is a copy of a contiguous cache: not for
+  pages)."""
+  del params, batch
   S = pages * page_size
-  return decode_lib.plan(params, config, policy, batch, max(S - steps, 1),
-                         steps, S)
+  if policy.channel_keys:
+    page_size = math.lcm(page_size, policy.key_group)
+  return decode_lib.Plan(decode_lib.attention_schedule(
+      max(S - steps, 1), steps, S, page_size), blocked=False)
 
 
 # ---- host side: validation, buckets, entry points ---------------------------

@@ -6,8 +6,9 @@ Invariants:
     pages hold what the contiguous cache holds, for MHA, MQA, GQA and MLA,
     every kv dtype (float32, bfloat16, float16, int8, KIVI int8) and a
     ragged batch;
-  * `decode_loop` (k steps over one view) equals k single steps, rows past
-    their valid steps keep their state;
+  * `decode_loop` (k steps reading and writing the pool in place) equals
+    k contiguous steps, for every variant and dtype; rows past their
+    valid steps keep their state;
   * a write table that maps a page elsewhere copies on write: the shared
     page is unchanged, the copy holds the new token;
   * a write to an unmapped page is recorded (OVERFLOW), never dropped;
@@ -155,49 +156,72 @@ class FromContiguousTest(parameterized.TestCase):
 
 class DecodeLoopTest(parameterized.TestCase):
 
-  def test_loop_equals_steps_and_idle_rows_keep_their_state(self):
-    config, params = tiny("gqa"), tiny_params("gqa")
+  def check_loop(self, variant, policy):
+    # The loop reads and writes the pool in place (`PagedKV`): k steps of
+    # rows that keep 4, 2 and 0 tokens equal the contiguous cache's steps.
+    config, params = tiny(variant), tiny_params(variant)
     tokens, mask = ragged_prompt()
-    _, paged = pg.prefill(params, config, tokens, scattered(
-        config, cache_lib.CachePolicy()), attention_mask=mask)
+    _, paged = pg.prefill(params, config, tokens, scattered(config, policy),
+                          attention_mask=mask)
+    _, ref = kvjax.prefill(params, config, tokens,
+                           kvjax.init_cache(config, B, M * Y, policy=policy),
+                           attention_mask=mask)
+    before = jax.tree_util.tree_map(np.asarray, pg.view(paged, M))
+    resid_before = {k: np.asarray(r) for k, r in paged.resid.items()}
     steps, valid = 4, np.array([4, 2, 0], np.int32)
-    one = jax.tree_util.tree_map(jnp.copy, paged)
     first = jnp.asarray([3, 4, 5], jnp.int32)
     keys = np.zeros((B, steps) + jax.random.key_data(
         jax.random.key(0)).shape, np.uint32)
+    plan = pg.loop_plan(params, config, policy, B, M, Y, steps)
+    self.assertFalse(plan.blocked)
     toks, looped = pg.decode_loop(
         params, config, first, paged, np.asarray(paged.block_table), keys,
         np.zeros(B, np.int32), valid, pages=M, steps=steps,
-        samplers=(GREEDY,), plan=pg.loop_plan(
-            params, config, paged.policy, B, M, Y, steps))
+        samplers=(GREEDY,), plan=plan)
     chex.assert_shape(toks, (B, steps))
     np.testing.assert_array_equal(looped.length,
                                   np.asarray(LENGTHS) + valid)
+    self.assertEqual(int(np.max(looped.errors)), 0)
     token = first
     for i in range(steps):
-      logits, one = pg.decode_step(params, config, token, one)
+      logits, ref = kvjax.decode_step(params, config, token, ref)
       token = jnp.argmax(logits, -1).astype(jnp.int32)
       for b in range(B):
         if i < valid[b]:
-          self.assertEqual(int(toks[b, i]), int(token[b]))
-    ref = pg.view(one, M)
+          self.assertEqual(int(toks[b, i]), int(token[b]), f"row {b} step {i}")
     got = pg.view(looped, M)
-    for b in range(B):  # slots each row kept
-      n = LENGTHS[b] + valid[b]
-      assert_close(got.k[:, b, :, :n], ref.k[:, b, :, :n], config)
-      assert_close(got.v[:, b, :, :n], ref.v[:, b, :, :n], config)
-    self.assertEqual(int(looped.errors.max()), 0)
+    for name in looped.pool:  # row 0 kept every step: its slots are ref's
+      n = LENGTHS[0] + steps
+      ax = dict(pg.PAGED_FIELDS[looped.kind])[name]
+      sl = (slice(None), 0) + (slice(None),) * (ax - 2) + (slice(0, n),)
+      assert_close(getattr(got, name)[sl].astype(jnp.float32),
+                   getattr(ref, name)[sl].astype(jnp.float32), config,
+                   cache=policy.kv_dtype, msg=name)
+      # The idle row holds what it held (its scratch steps were dropped).
+      np.testing.assert_array_equal(getattr(got, name)[:, 2],
+                                    getattr(before, name)[:, 2], name)
+    for name, r in looped.resid.items():
+      np.testing.assert_array_equal(np.asarray(r)[:, 2],
+                                    resid_before[name][:, 2], name)
 
+  @parameterized.named_parameters(*cases(fast=True))
+  def test_loop_equals_contiguous_steps(self, variant, policy):
+    self.check_loop(variant, policy)
 
-  def test_loop_in_the_blocked_layout(self):
-    # Packed params and 4 rows: generate's plan reads the blocked layout
-    # (`kvjax.blocked`), whose cache the loop's per-step pin also holds.
+  @parameterized.named_parameters(*cases(fast=False))
+  @pytest.mark.slow
+  def test_loop_equals_contiguous_steps_all(self, variant, policy):
+    self.check_loop(variant, policy)
+
+  def test_loop_with_packed_params(self):
+    # Packed params and 4 rows (where generate would block a contiguous
+    # cache): the loop still reads the pages in place.
     config = tiny("gqa")
     params = kvjax.pack(tiny_params("gqa"), config)
     rows, pages, steps = 4, 64 // Y, 3
     plan = pg.loop_plan(params, config, cache_lib.CachePolicy(), rows,
                         pages, Y, steps)
-    self.assertTrue(plan.blocked)
+    self.assertFalse(plan.blocked)
     prompt = np.random.default_rng(3).integers(0, 256, (rows, 9)).astype(
         np.int32)
     table = np.arange(rows * pages, dtype=np.int32).reshape(rows, pages)
@@ -285,7 +309,9 @@ class LostWriteTest(parameterized.TestCase):
                      errors.OVERFLOW)
     with self.assertRaisesRegex(ValueError, "overflow.*sequence 1"):
       errors.raise_if_set(paged, "decode")
-    self.assertTrue(np.isfinite(np.asarray(logits)).all())
+    # As a contiguous overflow: the step poisons the row it lost a token of.
+    np.testing.assert_array_equal(np.isfinite(np.asarray(logits)).all(-1),
+                                  [True, False, True])
 
 
 class BytesTest(parameterized.TestCase):

@@ -238,12 +238,13 @@ def decode_step_cost(params, config: ModelConfig, batch: int, context: int,
   Both caches hold `context` random tokens per row
   (`benchmarking.filled_cache`; the pool holds the same values, its pages
   in a random order: `paged.from_contiguous`) and read A · Y slots (the
-  view bucket of `context + steps` tokens; the contiguous cache has
+  page bucket of `context + steps` tokens; the contiguous cache has
   exactly that capacity). For each n in `steps_per_view`, one jitted loop
-  of n greedy steps each, both by the one decode loop with generate's plan
-  (`paged.loop_plan`): `paged.decode_loop` (gather once, n steps, write
-  back) against the same n steps on the contiguous cache; timed
-  alternately, every call starting from the same context.
+  of n greedy steps each, both by the one decode loop: `paged.decode_loop`
+  (its plan: `paged.loop_plan`, the pages read in place) against the same
+  n steps on the contiguous cache with the plan `generate` would use
+  (`decode.plan`: the blocked layout from 4 rows); timed alternately,
+  every call starting from the same context.
 
   Returns:
     dict: per n, the median seconds per step of each, their ratio
@@ -270,11 +271,14 @@ def decode_step_cost(params, config: ModelConfig, batch: int, context: int,
     table_dev = jnp.asarray(table)
     state = dict(c=contiguous, p=paged)
     plan = paged_lib.loop_plan(params, config, policy, batch, A, page_size, n)
+    contiguous_plan = decode_lib.plan(params, config, policy, batch, context,
+                                      n, S)
 
     def run_contiguous():
       toks, state["c"] = _contiguous_loop(
           params, config, token, state["c"].replace(
-              length=jnp.asarray(length)), keys, which, (GREEDY,), plan)
+              length=jnp.asarray(length)), keys, which, (GREEDY,),
+          contiguous_plan)
       return toks
 
     def run_paged():
@@ -290,7 +294,7 @@ def decode_step_cost(params, config: ModelConfig, batch: int, context: int,
     rounds = benchmarking.paired_ratios(t["paged"].seconds,
                                         t["contiguous"].seconds)
     out["runs"][n] = dict(
-        slots_read=S, blocked=plan.blocked,
+        slots_read=S, contiguous_blocked=contiguous_plan.blocked,
         contiguous_ms_per_step=1e3 * t["contiguous"].median / n,
         paged_ms_per_step=1e3 * t["paged"].median / n,
         ratio=t["paged"].median / t["contiguous"].median,
