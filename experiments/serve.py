@@ -18,8 +18,8 @@ arrivals) through `kvjax.engine`:
      without prefix caching: prefill tokens computed, peak KV slots,
      prefill time.
   3. the paged decode step against the contiguous one at the same batch
-     and context (`serving.decode_step_cost`), one step per view and
-     --decode_steps steps per view.
+     and context (`serving.decode_step_cost`), one step per call and
+     --decode_steps steps per call.
 
 Outputs in --workdir: serve.json (every number, the CPU model from lscpu,
 the flags) and serve.png.
@@ -146,7 +146,7 @@ def main(argv):
           f"prefill {s['prefill_s']:.2f} s, wall {s['wall_s']:.2f} s")
   for n, r in cost["runs"].items():
     print(f"decode step, batch {cost['batch']}, context {cost['context']}, "
-          f"{n} step(s) per view: contiguous "
+          f"{n} step(s) per call: contiguous "
           f"{r['contiguous_ms_per_step']:.2f} ms, paged "
           f"{r['paged_ms_per_step']:.2f} ms, ratio {r['ratio']:.3f} "
           f"(rounds {r['round_ratios']['min']:.3f}-"

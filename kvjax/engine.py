@@ -21,8 +21,9 @@ One engine iteration:
            than one chunk; pages are taken as the chunk needs them; the
            chunk that ends a prompt samples its first token.
   decode   k steps of every decoding row in one call (`paged.decode_loop`:
-           the one decode loop, `kvjax.decode.run`, with generate's plan,
-           over the rows' view): the view is gathered once per k tokens.
+           the one decode loop, `kvjax.decode.run`, on a `paged.PagedKV`:
+           each step reads every layer's pages in place and writes the
+           new token into its page).
            Before it, every row gets the pages of its next slots; when the
            pool runs out (here or in prefill), the most recently admitted
            row is preempted
@@ -32,12 +33,12 @@ One engine iteration:
            it stopped and loses no token.
 
 Fixed shapes: the row count, U, chunk length, k, the sampler menu and the
-view buckets (`paged.all_view_pages`) are static, so `warmup` compiles
+page buckets a call reads (`paged.all_view_pages`) are static, so `warmup` compiles
 every program the loop can call and a run after it compiles nothing
 (`compile_counter`, tested).
 
 Exactness: each row's steps are the same `model` functions `generate`
-runs, on a view equal to its contiguous cache, sampled with the key
+runs, on pages holding what its contiguous cache holds, sampled with the key
 `generate` would use for that token (`jax.random.split(key(seed),
 max_new_tokens)[i]`), so each request's output equals `kvjax.generate`
 on that request alone (tested, greedy and sampled, for every arrival
@@ -117,8 +118,8 @@ class EngineSpec:
   chunk: T, prompt tokens per row per prefill call.
   prefill_rows: U, rows whose next chunk one prefill call computes (one
     call per iteration, oldest rows first).
-  decode_steps: k, decode steps per call (the view is gathered once per
-    call; a row that finishes inside wastes at most k - 1 steps).
+  decode_steps: k, decode steps per call (a row that finishes inside
+    wastes at most k - 1 steps; requests join between calls).
   prefix_caching: share the pages of common prompt prefixes.
   preemption: 'recompute' or 'swap' when the pool runs out.
   reserve: 'none' (pages on demand: paged) or 'max' (a row reserves all M

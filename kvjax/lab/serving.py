@@ -215,12 +215,12 @@ def plot(results: dict, path: str) -> None:
   plt.close(fig)
 
 
-# ---- what the paged view costs ----------------------------------------------
+# ---- what paging costs a decode step ---------------------------------------
 @functools.partial(jax.jit, static_argnames=("config", "samplers", "plan"),
                    donate_argnames=("cache",))
 def _contiguous_loop(params, config, token_B, cache, keys_BI, sampler_B,
                      samplers: tuple, plan: decode_lib.Plan):
-  """`paged.decode_loop`'s steps on a contiguous cache: same loop, no view."""
+  """`paged.decode_loop`'s steps on a contiguous cache: the same loop."""
   keys_IB = jnp.swapaxes(jax.random.wrap_key_data(keys_BI), 0, 1)
   _, cache, toks_IB = decode_lib.run(
       params, config, token_B, cache, keys_IB,
@@ -231,7 +231,7 @@ def _contiguous_loop(params, config, token_B, cache, keys_BI, sampler_B,
 
 
 def decode_step_cost(params, config: ModelConfig, batch: int, context: int,
-                     page_size: int, *, steps_per_view=(1, 8), policy=None,
+                     page_size: int, *, steps_per_call=(1, 8), policy=None,
                      repeats: int = 15, seed: int = 0) -> dict:
   """Paged decode against contiguous decode, same batch, context and work.
 
@@ -239,7 +239,7 @@ def decode_step_cost(params, config: ModelConfig, batch: int, context: int,
   (`benchmarking.filled_cache`; the pool holds the same values, its pages
   in a random order: `paged.from_contiguous`) and read A · Y slots (the
   page bucket of `context + steps` tokens; the contiguous cache has
-  exactly that capacity). For each n in `steps_per_view`, one jitted loop
+  exactly that capacity). For each n in `steps_per_call`, one jitted loop
   of n greedy steps each, both by the one decode loop: `paged.decode_loop`
   (its plan: `paged.loop_plan`, the pages read in place) against the same
   n steps on the contiguous cache with the plan `generate` would use
@@ -253,7 +253,7 @@ def decode_step_cost(params, config: ModelConfig, batch: int, context: int,
   policy = policy or cache_lib.CachePolicy()
   params = packed.for_decode(params, config)
   out = dict(batch=batch, context=context, page_size=page_size, runs={})
-  for n in steps_per_view:
+  for n in steps_per_call:
     A = paged_lib.view_pages(context + n, page_size,
                              -(-(context + n) // page_size))
     S = A * page_size
@@ -304,7 +304,7 @@ def decode_step_cost(params, config: ModelConfig, batch: int, context: int,
 
 def step_cost(params, config: ModelConfig, *, batch: int, context: int,
               page_size: int, decode_steps: int, repeats: int) -> dict:
-  """`decode_step_cost` at one step per view and at the engine's k."""
+  """`decode_step_cost` at one step per call and at the engine's k."""
   return decode_step_cost(
       params, config, batch, context, page_size,
-      steps_per_view=tuple(sorted({1, decode_steps})), repeats=repeats)
+      steps_per_call=tuple(sorted({1, decode_steps})), repeats=repeats)
