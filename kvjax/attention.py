@@ -105,8 +105,11 @@ def attend(q_BTKGH, k_BKSH, v_BKSH, mask_BKTS, scale: float,
     q_BTKGH: queries grouped by the kv head that serves them.
     k_BKSH, v_BKSH: keys and values (heads-first, the cache layout).
     mask_BKTS: True where the key may be attended, [B, K', T, S] with K' 1
-      (every head) or K (per kv head: scoped eviction). Fully masked rows
-      return a finite average (they are padding and never read), never NaN.
+      (every head) or K (per kv head: scoped eviction). The T queries are
+      the last T keys (causal: query t never sees a key past S - T + t),
+      which lets T > 1 skip the tiles above the diagonal. Fully masked
+      rows return a finite average over their tile's keys (they are
+      padding and never read), never NaN.
     scale: softmax scale.
     impl: 'einsum' (portable); 'jax_nn' (jax.nn.dot_product_attention with
       its default implementation, which in jax 0.10 is XLA's on every
@@ -143,13 +146,46 @@ def attend(q_BTKGH, k_BKSH, v_BKSH, mask_BKTS, scale: float,
                    preferred_element_type=jnp.float32))
     return decode_softmax_values(jnp.swapaxes(logits_BKSG, -1, -2), v_BKSH,
                                  mask_BKTS, scale, q_BTKGH.dtype)
-  logits_BKGTS = jnp.einsum("BTKGH,BKSH->BKGTS", q_BTKGH, k_BKSH,
-                            preferred_element_type=jnp.float32) * scale
-  logits_BKGTS = jnp.where(mask_BKTS[:, :, None], logits_BKGTS, big_neg)
-  probs_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1)
-  out_BTKGH = jnp.einsum("BKGTS,BKSH->BTKGH", probs_BKGTS.astype(v_BKSH.dtype),
-                         v_BKSH, preferred_element_type=jnp.float32)
+  # Queries in tiles of C: tile [t0, t1) attends only the keys a causal
+  # mask can show it (the new tokens are the last T keys, so query t sees
+  # keys below S - T + t + 1), so the masked triangle above the tiles is
+  # never computed; each tile's scores are [B, K, G·C, S'], one batched
+  # product per (B, K) with no transposes of the scores.
+  S = k_BKSH.shape[2]
+  outs, probs = [], []
+  for t0, t1 in query_tiles(T):
+    C, S_hi = t1 - t0, S - T + t1
+    q_BKQH = jnp.transpose(q_BTKGH[:, t0:t1], (0, 2, 3, 1, 4)).reshape(
+        B, K, G * C, H)
+    logits_BKGCS = jnp.einsum(
+        "BKQH,BKSH->BKQS", q_BKQH, k_BKSH[:, :, :S_hi],
+        preferred_element_type=jnp.float32).reshape(B, K, G, C, S_hi)
+    logits_BKGCS = jnp.where(mask_BKTS[:, :, None, t0:t1, :S_hi],
+                             logits_BKGCS * scale, big_neg)
+    probs_BKGCS = jax.nn.softmax(logits_BKGCS, axis=-1)
+    out_BKQH = jnp.einsum(
+        "BKQS,BKSH->BKQH",
+        probs_BKGCS.reshape(B, K, G * C, S_hi).astype(v_BKSH.dtype),
+        v_BKSH[:, :, :S_hi], preferred_element_type=jnp.float32)
+    outs.append(jnp.transpose(out_BKQH.reshape(B, K, G, C, H),
+                              (0, 3, 1, 2, 4)))
+    probs.append(jnp.pad(probs_BKGCS,
+                         ((0, 0),) * 4 + ((0, S - S_hi),)))
+  out_BTKGH = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
+  probs_BKGTS = probs[0] if len(probs) == 1 else jnp.concatenate(probs,
+                                                                 axis=3)
   return out_BTKGH.astype(q_BTKGH.dtype), probs_BKGTS
+
+
+QUERY_TILE = 64  # C: fwd+bwd of gqa-small-shaped training attention
+MAX_QUERY_TILES = 8  # compile time grows with the tiles (one product each)
+
+
+def query_tiles(T: int) -> tuple[tuple[int, int], ...]:
+  """[t0, t1) query tiles of a T-query attention call: C = QUERY_TILE, or
+  longer so that there are at most MAX_QUERY_TILES."""
+  C = max(QUERY_TILE, -(-T // MAX_QUERY_TILES))
+  return tuple((t0, min(t0 + C, T)) for t0 in range(0, T, C))
 
 
 def decode_softmax_values(logits_BKGS, v_BKSH, mask_BKTS, scale: float,

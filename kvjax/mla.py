@@ -25,7 +25,8 @@ from kvjax import projections
 from kvjax import quant
 from kvjax.attention import (DecodeCache, ProbeRecord, Step, compress_prompt,
                              decode_cache, layer_mask, layer_slots,
-                             observe_scores, register_decode_cache)
+                             observe_scores, query_tiles,
+                             register_decode_cache)
 from kvjax.cache import LatentCache, scatter_tokens
 from kvjax.config import ModelConfig
 from kvjax.layers import apply_rope, rms_norm
@@ -114,12 +115,24 @@ def latent_attend(p, q_nope_BTNP, q_rope_BTNR, c_BSC, r_BSR, mask_B1TS,
     out_BTNO = projections.absorb_out(p, o_lat_BTNC)
   else:
     k_nope_BSNP, v_BSNO = projections.expand_kv(p, c_BSC)
-    rope_BNTS = jnp.einsum("BTNR,BSR->BNTS", q_rope_BTNR, r_BSR,
-                           preferred_element_type=f32)
-    nope_BNTS = jnp.einsum("BTNP,BSNP->BNTS", q_nope_BTNP, k_nope_BSNP,
-                           preferred_element_type=f32)
-    probs_BNTS = _softmax((nope_BNTS + rope_BNTS) * scale, mask_B1TS)
-    out_BTNO = jnp.einsum("BNTS,BSNO->BTNO", probs_BNTS.astype(dtype), v_BSNO)
+    # Causal query tiles, as `attention.attend`: the queries are the last
+    # T keys, so tile [t0, t1) reads keys below S - T + t1 only.
+    T, S = q_nope_BTNP.shape[1], c_BSC.shape[1]
+    outs, probs = [], []
+    for t0, t1 in query_tiles(T):
+      hi = S - T + t1
+      rope_BNCS = jnp.einsum("BTNR,BSR->BNTS", q_rope_BTNR[:, t0:t1],
+                             r_BSR[:, :hi], preferred_element_type=f32)
+      nope_BNCS = jnp.einsum("BTNP,BSNP->BNTS", q_nope_BTNP[:, t0:t1],
+                             k_nope_BSNP[:, :hi], preferred_element_type=f32)
+      probs_BNCS = _softmax((nope_BNCS + rope_BNCS) * scale,
+                            mask_B1TS[:, :, t0:t1, :hi])
+      outs.append(jnp.einsum("BNTS,BSNO->BTNO", probs_BNCS.astype(dtype),
+                             v_BSNO[:, :hi]))
+      probs.append(jnp.pad(probs_BNCS, ((0, 0),) * 3 + ((0, S - hi),)))
+    out_BTNO = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
+    probs_BNTS = probs[0] if len(probs) == 1 else jnp.concatenate(probs,
+                                                                  axis=2)
   return out_BTNO.astype(dtype), probs_BNTS
 
 

@@ -46,6 +46,7 @@ import optax
 import kvjax
 from kvjax import data
 from kvjax import orbax_checkpoint
+from kvjax import packed
 
 Params = Any
 LogitsFn = Callable[[Params, jax.Array], jax.Array]
@@ -119,7 +120,10 @@ def model_logits_fn(model_config) -> LogitsFn:
   """`logits_fn` for a kvjax model: (params, tokens [B,T]) -> logits [B,T,V]."""
 
   def logits_fn(params, tokens_BT):
-    return kvjax.forward(params, model_config, tokens_BT)
+    # The training layout is chosen inside the step (`packed.for_training`):
+    # the state and checkpoints stay canonical.
+    return kvjax.forward(packed.for_training(params, model_config),
+                         model_config, tokens_BT)
 
   return logits_fn
 

@@ -1,0 +1,160 @@
+r"""Training throughput: two commits side by side, one run.
+
+  python experiments/train_speed.py --base=126e088 --variants=gqa \
+      --workdir=workdir/train_speed
+
+Checks the base commit out into a temporary git worktree and times the
+training step of `configs/train.py:<variant>` (16 × 256 bytes, AdamW; the
+step `kvjax.train.run` takes: `create_train_state` on `init_params`, then
+`train_step`) in a fresh subprocess per commit and round, alternating base,
+head, base, head, ... so both see the same load drift. Each subprocess
+compiles, then times --repeats steps on the same fixed batch; a round's
+figure is their median. Between rounds the parent measures the float32
+matmul peak (`benchmarking.matmul_peak`), the in-run probe the model FLOP
+utilisation is quoted against: MFU = model FLOPs per step (3 × the forward's
+useful FLOPs, `benchmarking.prefill_flops` with every position's logits)
+/ step time / probe.
+
+Both commits start from the same seed and batch, so their losses after
+the timed steps must agree (printed: an identical loss curve, or the float
+reassociation of a changed program).
+
+Prints one line per variant: tokens/s of each, the speed-up (median over
+rounds of base time / head time), MFU of each and the losses; writes
+train_speed.json (with the CPU model) to --workdir.
+"""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+from absl import flags
+
+from kvjax.lab import benchmarking as bm
+from kvjax import cli
+from kvjax import configs as cfg_lib
+from configs import train as train_presets
+
+_BASE = flags.DEFINE_string("base", None, "Git revision to compare against.",
+                            required=True)
+_VARIANTS = cli.DEFINE_choice_list("variants", ["gqa"],
+                                   train_presets.VARIANTS,
+                                   "configs/train.py variants.")
+_ROUNDS = flags.DEFINE_integer("rounds", 3, "Alternating subprocess rounds.",
+                               lower_bound=1)
+_REPEATS = flags.DEFINE_integer("repeats", 8, "Timed steps per subprocess.",
+                                lower_bound=1)
+_WORKDIR = flags.DEFINE_string("workdir", "workdir/train_speed",
+                               "Output directory.")
+
+# Run inside each checkout; uses only API both sides share.
+_PROBE = r"""
+import json, statistics, sys, time
+import jax, jax.numpy as jnp, numpy as np
+import kvjax
+from kvjax import configs as cfg_lib
+from kvjax import train
+from configs import train as presets
+variant, repeats = sys.argv[1], int(sys.argv[2])
+cfg = presets.get_config(variant)
+config = cfg_lib.model_config(cfg.model)
+tc = train.TrainConfig.from_dict(cfg.train.to_dict())
+params = jax.jit(kvjax.init_params, static_argnums=0)(
+    config, jax.random.key(tc.seed))
+state = train.create_train_state(params, train.model_logits_fn(config),
+                                 train.make_optimizer(tc))
+batch = jnp.asarray(np.random.default_rng(0).integers(
+    0, 256, (tc.batch_size, tc.seq_len + 1)), jnp.int32)
+for _ in range(2):
+  state, m = train.train_step(state, batch)
+  jax.block_until_ready(m)
+ts = []
+for _ in range(repeats):
+  t0 = time.perf_counter()
+  state, m = train.train_step(state, batch)
+  jax.block_until_ready(m)
+  ts.append(time.perf_counter() - t0)
+print(json.dumps(dict(median_s=statistics.median(ts), times=ts,
+                      loss=float(m["loss"]))))
+"""
+
+
+def _probe(tree: str, variant: str) -> dict:
+  env = dict(os.environ, PYTHONPATH=tree, JAX_PLATFORMS="cpu")
+  out = subprocess.run(
+      [sys.executable, "-c", _PROBE, variant, str(_REPEATS.value)],
+      cwd=tree, env=env, capture_output=True, text=True, check=False)
+  if out.returncode:
+    raise RuntimeError(f"probe failed in {tree}:\n{out.stderr[-2000:]}")
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def step_flops(variant: str) -> tuple[float, int]:
+  """(model FLOPs of one training step, tokens per step)."""
+  cfg = train_presets.get_config(variant)
+  config = cfg_lib.model_config(cfg.model)
+  B, T = cfg.train.batch_size, cfg.train.seq_len
+  return 3.0 * bm.prefill_flops(config, B, T, all_logits=True)["total"], B * T
+
+
+def main(argv):
+  del argv
+  head = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  os.makedirs(_WORKDIR.value, exist_ok=True)
+  rows = []
+  with tempfile.TemporaryDirectory() as tmp:
+    base = os.path.join(tmp, "base")
+    subprocess.run(["git", "-C", head, "worktree", "add", "--detach", base,
+                    _BASE.value], check=True, capture_output=True)
+    try:
+      for variant in _VARIANTS.value:
+        flops, tokens = step_flops(variant)
+        t = {"base": [], "head": []}
+        loss = {}
+        peaks = []
+        for _ in range(_ROUNDS.value):
+          peaks.append(bm.matmul_peak()["flops_per_s"])
+          for side, tree in (("base", base), ("head", head)):
+            r = _probe(tree, variant)
+            t[side].append(r["median_s"])
+            loss[side] = r["loss"]
+        speedups = [b / h for b, h in zip(t["base"], t["head"])]
+        peak = statistics.median(peaks)
+        med = {side: statistics.median(v) for side, v in t.items()}
+        row = dict(variant=variant, tokens_per_step=tokens,
+                   model_flops_per_step=flops, matmul_peak_flops_per_s=peak,
+                   base_s=t["base"], head_s=t["head"],
+                   speedup=statistics.median(speedups), speedups=speedups,
+                   **{f"{side}_tokens_per_s": tokens / med[side]
+                      for side in med},
+                   **{f"{side}_mfu": flops / med[side] / peak for side in med},
+                   base_loss=loss["base"], head_loss=loss["head"])
+        rows.append(row)
+        print(f"{variant}: head {row['head_tokens_per_s']:.0f} tok/s "
+              f"(MFU {row['head_mfu']:.1%}), base "
+              f"{row['base_tokens_per_s']:.0f} tok/s (MFU "
+              f"{row['base_mfu']:.1%}); speed-up {row['speedup']:.2f}x "
+              f"(rounds {', '.join(f'{s:.2f}' for s in speedups)}); matmul "
+              f"probe {peak / 1e9:.0f} GFLOP/s; loss after "
+              f"{_REPEATS.value + 2} steps base {loss['base']:.6f}, head "
+              f"{loss['head']:.6f}", flush=True)
+    finally:
+      subprocess.run(["git", "-C", head, "worktree", "remove", "--force",
+                      base], check=False, capture_output=True)
+  rev = subprocess.run(["git", "-C", head, "rev-parse", "--short", "HEAD"],
+                       capture_output=True, text=True, check=False)
+  result = dict(base=_BASE.value, head=rev.stdout.strip(),
+                dirty=bool(subprocess.run(
+                    ["git", "-C", head, "status", "--porcelain",
+                     "--untracked-files=no"], capture_output=True,
+                    text=True, check=False).stdout.strip()),
+                host=bm.machine_info(), rows=rows)
+  with open(os.path.join(_WORKDIR.value, "train_speed.json"), "w") as f:
+    json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+  cli.run(main)
