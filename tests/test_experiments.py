@@ -32,7 +32,8 @@ CLI_SCRIPTS = sorted(
     os.path.join(ROOT, "experiments", f"{name}.py") for name in (
         "ablate", "attention_map", "benchmark", "cache_table",
         "decode_layout", "error_check_cost", "generate", "memory_growth",
-        "peer_benchmark", "serve", "streaming_eval", "task_eval", "train"))
+        "peer_benchmark", "prefill_scaling", "serve", "streaming_eval",
+        "task_eval", "train", "train_speed"))
 
 
 class ExperimentsImportTest(absltest.TestCase):
@@ -121,6 +122,36 @@ class PeerBenchmarkTest(absltest.TestCase):
     self.assertNotEqual(proc.returncode, 0)
     self.assertIn("--batches=1,0", proc.stderr)
     self.assertNotIn("params; torch", proc.stderr)
+
+
+@pytest.mark.slow  # a subprocess that compiles three prefills
+class PrefillScalingTest(absltest.TestCase):
+
+  def test_tiny_run_writes_rates_and_memory(self):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    with tempfile.TemporaryDirectory() as tmp:
+      proc = subprocess.run(
+          [sys.executable, os.path.join(ROOT, "experiments",
+                                        "prefill_scaling.py"),
+           "--config=configs/model.py:gqa-tiny", "--lengths=16,64",
+           "--memory_lengths=64,512", "--repeats=1", f"--workdir={tmp}"],
+          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+      self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+      with open(os.path.join(tmp, "prefill_scaling.json")) as f:
+        out = json.load(f)
+      self.assertGreater(
+          os.path.getsize(os.path.join(tmp, "prefill_scaling.png")), 0)
+    self.assertEqual([r["length"] for r in out["rows"]], [16, 64])
+    self.assertEqual(out["rows"][0]["relative"], 1.0)
+    for r in out["rows"]:
+      assert_close(r["tokens_per_s"], r["length"] / r["prefill_s"],
+                   compute="float64")
+    short, long = out["memory"]
+    self.assertEqual((short["length"], long["length"]), (64, 512))
+    # The 512-token cache alone is 8x the 64-token one: memory grows.
+    self.assertGreater(long["arguments"], short["arguments"])
+    self.assertIn("cpu", out["host"])
+    self.assertIn("64 tokens:", proc.stdout)
 
 
 @pytest.mark.slow  # a subprocess that compiles the probe

@@ -791,6 +791,59 @@ def prefill_seconds(params, config: ModelConfig, batch: int, length: int, *,
   return dict(prefill_s=t.median, timing=t.to_dict())
 
 
+def prefill_memory(params, config: ModelConfig, batch: int,
+                   length: int) -> dict[str, int]:
+  """XLA's memory analysis of the jitted prefill of [batch, length] into a
+  fresh cache (lowered from shapes only: nothing is allocated or run)."""
+  from kvjax import inference  # pylint: disable=g-import-not-at-top
+  params = packed.for_decode(params, config)
+  cache = jax.eval_shape(lambda: cache_lib.init_cache(config, batch, length))
+  tokens = jax.ShapeDtypeStruct((batch, length), jnp.int32)
+  mask = jax.ShapeDtypeStruct((batch, length), jnp.bool_)
+  return compiled_memory(inference._prefill.lower(  # pylint: disable=protected-access
+      params, config, tokens, mask, cache, False))
+
+
+def prefill_scaling(params, config: ModelConfig, batch: int, lengths,
+                    memory_lengths=(), *, repeats: int = 3) -> dict:
+  """Prefill throughput against prompt length, and XLA's memory analysis
+  of longer prefills.
+
+  Returns:
+    rows: per length, prefill seconds, tokens/s and tokens/s relative to
+      the first length; memory: per memory length, `prefill_memory`.
+  """
+  rows = []
+  for n in lengths:
+    t = prefill_seconds(params, config, batch, n, repeats=repeats)
+    rows.append(dict(length=n, prefill_s=t["prefill_s"],
+                     tokens_per_s=batch * n / t["prefill_s"],
+                     timing=t["timing"]))
+  for r in rows:
+    r["relative"] = r["tokens_per_s"] / rows[0]["tokens_per_s"]
+  memory = [dict(length=n, **prefill_memory(params, config, batch, n))
+            for n in memory_lengths]
+  return dict(batch=batch, rows=rows, memory=memory)
+
+
+def plot_prefill(result: Mapping[str, Any], title: str, path) -> dict:
+  """Prefill tokens/s against prompt length (`prefill_scaling`)."""
+  plt = _pyplot()
+  fig, ax = plt.subplots(figsize=(6.4, 4.4))
+  xs = [r["length"] for r in result["rows"]]
+  ax.plot(xs, [r["tokens_per_s"] for r in result["rows"]], marker="o",
+          label=f"batch {result['batch']}")
+  ax.set_xscale("log")
+  _tick_at(ax, xs)
+  ax.set_ylim(bottom=0)
+  ax.set_xlabel("prompt tokens")
+  ax.set_ylabel("prefill tokens / s")
+  ax.set_title(title)
+  ax.grid(alpha=0.3)
+  ax.legend()
+  return _save_figure(fig, path)
+
+
 def no_cache_generate_seconds(params, config: ModelConfig, tokens,
                               new_tokens: int) -> dict[str, Any]:
   """Wall time of one `kvjax.generate_no_cache` run, compile excluded.
