@@ -19,13 +19,22 @@ reference (tests/test_tasks.py checks the match within 1 %).
 
 mixtures (`kvjax.lab.tasks.mixture_batch`; prompt_loss: next-byte loss on the
 whole row, else on the answers only; validation always scores answers):
-  passkey  passkey retrieval at training length T = 256, prompt_loss
+  passkey  passkey retrieval at training length T = 256, prompt_loss; half
+           the rows with the noise filler, half with `passkey_repeat`'s
+           (random sentences, repeated: only copying predicts them)
   mqar     multi-query associative recall, T = 256 (~27 pairs), loss on the
            answers of every query (Zoology's objective)
   niah     RULER single-key and needle-haystack multi-key, T = 256,
            prompt_loss
   mix      passkey, RULER's families and MQAR at T = 512 (multi-value and
            multi-query prompts need > 256 bytes), prompt_loss
+
+The recipe (passkey; mqar and niah share it, untried): a length
+curriculum (`curriculum`: the first 1500 updates at one fixed T = 128,
+where retrieval is learnt) and then rows of varied length up to T = 256
+(`tasks.min_seq_len`: at one fixed length the model learns where the
+needle sits, not how to find it). What it reaches: WORKSPACE.md
+("Streaming and eviction").
 """
 
 import functools
@@ -34,17 +43,19 @@ import ml_collections
 
 VARIANTS = ("mha", "mqa", "gqa", "mla")
 MIXTURES = {
-    "passkey": dict(names=["passkey"], weights=[1.0], seq_len=256,
-                    prompt_loss=True),
+    "passkey": dict(names=["passkey", "passkey_repeat"], weights=[1.0, 1.0],
+                    seq_len=256, prompt_loss=True, min_seq_len=64,
+                    curriculum=(1500, 128)),
     "mqar": dict(names=["mqar"], weights=[1.0], seq_len=256,
-                 prompt_loss=False),
+                 prompt_loss=False, min_seq_len=64, curriculum=(1500, 128)),
     "niah": dict(names=["niah_single", "niah_multikey_needles"],
-                 weights=[1.0, 1.0], seq_len=256, prompt_loss=True),
+                 weights=[1.0, 1.0], seq_len=256, prompt_loss=True,
+                 min_seq_len=64, curriculum=(1500, 128)),
     "mix": dict(names=["passkey", "niah_single", "niah_multikey",
                        "niah_multikey_needles", "niah_multivalue",
                        "niah_multiquery", "mqar"],
                 weights=[1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 2.0], seq_len=512,
-                prompt_loss=True),
+                prompt_loss=True, min_seq_len=None, curriculum=(0, 0)),
 }
 PRESETS = tuple(f"{v}-{m}" for v in VARIANTS for m in MIXTURES)
 
@@ -101,14 +112,21 @@ def get_config(arg: str = "gqa-passkey") -> ml_collections.ConfigDict:
                      f"{tuple(MIXTURES)}")
   mix = dict(MIXTURES[mixture])
   seq_len = mix.pop("seq_len")
+  curriculum_steps, curriculum_len = mix.pop("curriculum")
   cfg = ml_collections.ConfigDict()
   cfg.preset = f"{variant}-{mixture}"
   cfg.model = ml_collections.ConfigDict(model_dict(variant))
   cfg.tasks = ml_collections.ConfigDict(dict(mix, text_weight=0.0))
+  if mix["min_seq_len"] is None:  # a typed placeholder, so it can be set
+    cfg.tasks.min_seq_len = ml_collections.config_dict.placeholder(int)
+  # The first `steps` updates at seq_len `seq_len` (kvjax.lab.tasks.
+  # train_task_model); steps 0 turns the curriculum off.
+  cfg.curriculum = ml_collections.ConfigDict(dict(steps=curriculum_steps,
+                                                  seq_len=curriculum_len))
   cfg.train = ml_collections.ConfigDict(dict(
       seq_len=seq_len,
       batch_size=16,
-      num_steps=600,
+      num_steps=3400,
       lr=3e-3,
       warmup_steps=50,
       min_lr_ratio=0.1,

@@ -405,6 +405,40 @@ class MixtureTest(parameterized.TestCase):
         [batch.inputs[:, 1:], batch.targets[:, -1:]], axis=1))
     self.assertTrue(np.all(batch.loss_mask))
 
+  def test_varied_lengths_are_whole_rows_right_padded(self):
+    m = self._mixture(batch_size=24, min_seq_len=64, prompt_loss=True)
+    batch = tasks.mixture_batch(m, seed=0, step=0)
+    lengths = set()
+    for b, kind in enumerate(batch.kinds):
+      spec = tasks.get_task(kind)
+      A = spec.answer_length
+      real = np.flatnonzero(batch.inputs[b] != data.PAD)
+      n = int(real[-1]) + 1  # PAD only after the row
+      np.testing.assert_array_equal(real, np.arange(n))
+      self.assertTrue(np.all(batch.targets[b, n:] == data.PAD))
+      self.assertEqual(batch.targets[b, n - 1], data.EOS)
+      self.assertGreaterEqual(n, max(64, tasks.min_length(spec) + A))
+      self.assertLessEqual(n, 256)
+      prompt = batch.inputs[b, :n - A]
+      np.testing.assert_array_equal(tasks.reference_answer(kind, prompt),
+                                    batch.inputs[b, n - A:n])
+      lengths.add(n)
+    self.assertGreater(len(lengths), 12)  # lengths vary
+    # None keeps every row full length (and the batches of old runs).
+    full = tasks.mixture_batch(self._mixture(batch_size=24), seed=0, step=0)
+    self.assertTrue(np.all(full.targets[:, -1] == data.EOS))
+
+  def test_repeat_filler_is_predictable_only_by_copying(self):
+    ex = tasks.generate("passkey_repeat", 512, 0.5, 3)
+    self.assertEqual(ex.filler, "repeat")
+    text = ex.text()
+    self.assertNotIn("grass", text)
+    before = text[:text.index(" The pass key")].strip()
+    first = before.split(".")[0] + "."
+    self.assertGreater(before.count(first), 1)  # the sentences repeat
+    other = tasks.generate("passkey_repeat", 512, 0.5, 4).text()
+    self.assertNotIn(first, other)  # and are drawn per example
+
   def test_text_rows(self):
     text = _haystack()
     m = self._mixture(tasks=(), text_weight=1.0, batch_size=4)
@@ -421,6 +455,8 @@ class MixtureTest(parameterized.TestCase):
       tasks.Mixture(tasks=(("nope", 1.0),))
     with self.assertRaisesRegex(ValueError, "sum to 0"):
       tasks.Mixture(tasks=(("passkey", 0.0),))
+    with self.assertRaisesRegex(ValueError, "min_seq_len"):
+      tasks.Mixture(tasks=(("passkey", 1.0),), min_seq_len=300)
 
 
 class ConfigTest(parameterized.TestCase):
@@ -611,6 +647,18 @@ class DriverTest(parameterized.TestCase):
 class TrainTest(absltest.TestCase):
 
   def test_a_resumed_run_retraces_the_uninterrupted_one(self):
+    self._check_resume(tasks.Mixture(tasks=(("passkey", 1.0), ("mqar", 1.0)),
+                                     seq_len=128, batch_size=2))
+
+  def test_a_resumed_curriculum_retraces_the_uninterrupted_one(self):
+    # Short (112) batches for steps 0-2, then full length: the resume at
+    # step 2 lands inside the curriculum.
+    self._check_resume(tasks.Mixture(tasks=(("passkey", 1.0), ("mqar", 1.0)),
+                                     seq_len=128, batch_size=2,
+                                     min_seq_len=64),
+                       short_steps=3, short_seq_len=112)
+
+  def _check_resume(self, mixture, **curriculum):
     import shutil  # pylint: disable=g-import-not-at-top
     import jax  # pylint: disable=g-import-not-at-top
     from kvjax import orbax_checkpoint  # pylint: disable=g-import-not-at-top
@@ -619,17 +667,15 @@ class TrainTest(absltest.TestCase):
     tc = train.TrainConfig(seq_len=128, batch_size=2, num_steps=4,
                            warmup_steps=1, eval_every=2, eval_batches=1,
                            checkpoint_every=2, log_every=1)
-    mixture = tasks.Mixture(tasks=(("passkey", 1.0), ("mqar", 1.0)),
-                            seq_len=128, batch_size=2)
     whole = self.create_tempdir("whole").full_path
-    final = tasks.train_task_model(config, tc, mixture, whole)
+    final = tasks.train_task_model(config, tc, mixture, whole, **curriculum)
     self.assertEqual(final["step"], 4)
     self.assertTrue(np.isfinite(final["loss"]))
     # Interrupted after step 2: drop the last checkpoint and run again.
     resumed = self.create_tempdir("resumed").full_path
     shutil.copytree(whole, resumed, dirs_exist_ok=True)
     shutil.rmtree(f"{resumed}/checkpoints/4")
-    tasks.train_task_model(config, tc, mixture, resumed)
+    tasks.train_task_model(config, tc, mixture, resumed, **curriculum)
     _, a = orbax_checkpoint.restore_params(whole)
     _, b = orbax_checkpoint.restore_params(resumed)
     for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):

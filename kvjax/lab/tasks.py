@@ -89,7 +89,7 @@ ANSWER_SEPARATOR = ", "
 _CONSONANTS = "bdfgklmnprstvz"
 _VOWELS = "aeiou"
 
-FILLERS = ("noise", "text", "needles")
+FILLERS = ("noise", "text", "needles", "repeat")
 KEY_KINDS = ("word", "number")
 
 
@@ -101,7 +101,9 @@ KEY_KINDS = ("word", "number")
 class PasskeySpec:
   """Passkey retrieval: a `digits`-digit number (leading digit non-zero).
 
-  filler: 'noise' (the paper's repeated sentences) or 'text'.
+  filler: 'noise' (the paper's repeated sentences), 'text' or 'repeat'
+    (random sentences of pseudo-words, repeated: a training haystack that
+    only copying from earlier context predicts).
   """
 
   digits: int = 5
@@ -110,8 +112,9 @@ class PasskeySpec:
   def __post_init__(self):
     if not 1 <= self.digits <= 18:
       raise ValueError(f"digits must be in [1, 18], got {self.digits}")
-    if self.filler not in ("noise", "text"):
-      raise ValueError(f"filler={self.filler!r} is not 'noise' or 'text'")
+    if self.filler not in ("noise", "text", "repeat"):
+      raise ValueError(f"filler={self.filler!r} is not 'noise', 'text' or "
+                       "'repeat'")
 
   @property
   def answer_length(self) -> int:
@@ -223,6 +226,7 @@ TaskSpec = PasskeySpec | NiahSpec | MqarSpec
 # are left out: 36-byte values dwarf a 256-byte context).
 TASKS: dict[str, TaskSpec] = {
     "passkey": PasskeySpec(),
+    "passkey_repeat": PasskeySpec(filler="repeat"),  # a training haystack
     "niah_single": NiahSpec(),  # niah_single_1
     "niah_single_text": NiahSpec(filler="text"),  # niah_single_2
     "niah_multikey": NiahSpec(num_keys=4, filler="text"),  # niah_multikey_1
@@ -390,7 +394,7 @@ def _boundaries(filler: np.ndarray, kind: str) -> np.ndarray:
   whitespace (text); always 0 and n. Fillers start with whitespace and end
   at a sentence's or word's end (`_padded`), so 0 and n are clean too."""
   n = filler.shape[0]
-  if kind in ("noise", "needles"):
+  if kind in ("noise", "needles", "repeat"):
     # Before ' The' that follows '.', and at 0.
     inner = np.flatnonzero((filler[1:] == ord(" ")) &
                            (filler[:-1] == ord("."))) + 1
@@ -423,6 +427,18 @@ def _noise_filler(rng, n: int) -> np.ndarray:
   count = n // min(len(x) for x in sentences) + 1
   return _padded([sentences[(first + i) % len(sentences)]
                   for i in range(count)], n)
+
+
+def _repeat_filler(rng, n: int, exclude: Sequence[str] = ()) -> np.ndarray:
+  """2-4 random sentences of 2-4 pseudo-words, repeated in order as the noise
+  filler's: past the first round every byte is predictable by copying from
+  earlier context (induction), and by nothing else."""
+  words = _pseudo_words(rng, 16, exclude)
+  sentences = [_bytes(" " + " ".join(
+      words[int(i)] for i in rng.integers(0, 16, size=int(rng.integers(2, 5))))
+      + ".") for _ in range(int(rng.integers(2, 5)))]
+  count = n // min(len(x) for x in sentences) + 1
+  return _padded([sentences[i % len(sentences)] for i in range(count)], n)
 
 
 def _text_filler(rng, n: int, haystack: np.ndarray) -> np.ndarray:
@@ -466,6 +482,8 @@ def _filler(rng, n: int, kind: str, haystack, spec, exclude=()):
     kind = "noise"
   if kind == "noise":
     return _noise_filler(rng, n), kind
+  if kind == "repeat":
+    return _repeat_filler(rng, n, exclude), kind
   if kind == "text":
     return _text_filler(rng, n, haystack), kind
   return _needle_filler(rng, n, spec, exclude), kind
@@ -978,6 +996,13 @@ class Mixture:
     the answers. The repeated filler then rewards copying from earlier
     context (induction), the skill retrieval needs; answer-only loss gives
     I + 1 supervised tokens per row.
+  min_seq_len: None: every task row is T + 1 tokens. Else a task row is
+    prompt ++ answer ++ EOS of n + 1 tokens, n uniform in [max(min_seq_len,
+    the task's shortest), T], right-padded with PAD (no loss) to T + 1. A model
+    trained at one prompt length learns where the needle can sit at that
+    length and fails at any other (measured: exact match 1.0 at the
+    trained length, 0.4 one byte longer); varied lengths force retrieval
+    by content, and short rows are where it is learnt first.
   """
 
   tasks: tuple[tuple[str, float], ...]
@@ -985,6 +1010,7 @@ class Mixture:
   batch_size: int = 16
   text_weight: float = 0.0
   prompt_loss: bool = False
+  min_seq_len: int | None = None
 
   def __post_init__(self):
     if not self.tasks and not self.text_weight:
@@ -998,6 +1024,10 @@ class Mixture:
         raise ValueError(
             f"seq_len={self.seq_len} leaves {prompt} prompt tokens, below "
             f"the minimum {min_length(spec)} of task {name!r}")
+    if self.min_seq_len is not None and not (
+        1 <= self.min_seq_len <= self.seq_len):
+      raise ValueError(f"min_seq_len={self.min_seq_len} must be in [1, "
+                       f"seq_len={self.seq_len}]")
     if self.text_weight < 0:
       raise ValueError(f"text_weight must be >= 0, got {self.text_weight}")
     if self.batch_size < 1:
@@ -1046,7 +1076,8 @@ def mixture_batch(mixture: Mixture, *, seed: int, step: int,
 
   Each row draws its kind by weight, then a uniform depth in [0, 1] and an
   example seed; a task row's prompt is T - I tokens (I its answer length),
-  so prompt, answer and EOS make exactly T + 1.
+  so prompt, answer and EOS make exactly T + 1 (with `min_seq_len`, a
+  length is drawn first and the row is right-padded with PAD).
 
   Args:
     haystack: byte stream for 'text' fillers (None: noise).
@@ -1077,23 +1108,31 @@ def mixture_batch(mixture: Mixture, *, seed: int, step: int,
       inputs[b], targets[b] = window[:-1], window[1:]
       continue
     spec = get_task(kind)
-    ex = generate(kind, T - spec.answer_length, float(rng.uniform()),
+    n = T  # the row's length (prompt ++ answer ++ EOS) - 1
+    if mixture.min_seq_len is not None:
+      shortest = min_length(spec) + spec.answer_length
+      n = int(rng.integers(max(mixture.min_seq_len, shortest) - 1, T)) + 1
+    ex = generate(kind, n - spec.answer_length, float(rng.uniform()),
                   int(rng.integers(0, 2 ** 31)), haystack)
-    inputs[b], targets[b] = training_row(ex, mixture.prompt_loss)
+    inputs[b], targets[b] = data.PAD, data.PAD
+    inputs[b, :n], targets[b, :n] = training_row(ex, mixture.prompt_loss)
   return TrainBatch(inputs=inputs, targets=targets, kinds=tuple(kinds))
 
 
 def mixture_from_dict(d: Mapping) -> Mixture:
   """A Mixture from a config's `tasks` section: {'names': [...], 'weights':
-  [...], 'seq_len', 'batch_size', 'text_weight', 'prompt_loss'}."""
+  [...], 'seq_len', 'batch_size', 'text_weight', 'prompt_loss',
+  'min_seq_len'}."""
   names, weights = list(d["names"]), list(d["weights"])
   if len(names) != len(weights):
     raise ValueError(f"tasks.names has {len(names)} entries, tasks.weights "
                      f"{len(weights)}")
+  min_seq_len = d.get("min_seq_len")
   return Mixture(tasks=tuple(zip(names, (float(w) for w in weights))),
                  seq_len=int(d["seq_len"]), batch_size=int(d["batch_size"]),
                  text_weight=float(d.get("text_weight", 0.0)),
-                 prompt_loss=bool(d.get("prompt_loss", False)))
+                 prompt_loss=bool(d.get("prompt_loss", False)),
+                 min_seq_len=None if min_seq_len is None else int(min_seq_len))
 
 
 # ----------------------------------------------------------------------------
@@ -1166,9 +1205,19 @@ def evaluate_mixture(state, eval_fn, batches: Sequence[TrainBatch]) -> dict:
 
 def train_task_model(model_config, train_config, mixture: Mixture,
                      workdir, *, haystack: np.ndarray | None = None,
-                     text: np.ndarray | None = None) -> dict:
-  """Trains a kvjax model on `mixture` (loss on answers only), resuming
-  from `workdir` when it holds a checkpoint.
+                     text: np.ndarray | None = None,
+                     short_steps: int = 0, short_seq_len: int = 0) -> dict:
+  """Trains a kvjax model on `mixture`, resuming from `workdir` when it
+  holds a checkpoint.
+
+  A length curriculum: the first `short_steps` updates draw their batches
+  from the mixture at one fixed length, seq_len `short_seq_len` and no
+  min_seq_len (cheap steps; the needle is a large share of the context and
+  sits at few places, so retrieval is learnt sooner: on passkey, 1500
+  updates at 128 gave exact match 1.0 at that length, 1500 at varied
+  lengths 104-128 left it at 0 on lengths 104-256); the rest, and
+  validation, use the mixture as given (varied lengths then undo the
+  fixed length's positional shortcut).
 
   Args:
     model_config: `kvjax.ModelConfig` (vocab_size must be 259).
@@ -1220,9 +1269,18 @@ def train_task_model(model_config, train_config, mixture: Mixture,
   logging.info("task model %s: %d parameters; mixture %s", model_config.variant,
                kvjax.param_count(model_config), mixture.tasks)
 
+  short = mixture
+  if short_steps > 0:
+    if not 0 < short_seq_len <= mixture.seq_len:
+      raise ValueError(f"short_seq_len={short_seq_len} must be in [1, "
+                       f"seq_len={mixture.seq_len}]")
+    short = dataclasses.replace(mixture, seq_len=short_seq_len,
+                                min_seq_len=None)
+
   def batch_fn(i):
-    b = mixture_batch(mixture, seed=train_config.seed, step=i,
-                      haystack=haystack, text=text)
+    b = mixture_batch(short if i < short_steps else mixture,
+                      seed=train_config.seed, step=i, haystack=haystack,
+                      text=text)
     return b.inputs, b.targets
 
   start = time.perf_counter()
@@ -1260,9 +1318,12 @@ def _main(argv):
           f"text_weight={cfg.tasks.text_weight} needs the Austen corpus: "
           f"{data.INSTALL_COMMAND}")
     text = data.austen_streams(train_config.data_dir).train
+  curriculum = cfg.get("curriculum") or {}
   final = train_task_model(configs.model_config(cfg.model), train_config,
                            mixture, flags.FLAGS.workdir, haystack=haystack,
-                           text=text)
+                           text=text,
+                           short_steps=int(curriculum.get("steps", 0)),
+                           short_seq_len=int(curriculum.get("seq_len", 0)))
   logging.info("done: %s", final)
 
 
