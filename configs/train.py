@@ -76,6 +76,7 @@ def get_config(arg: str = "gqa") -> ml_collections.ConfigDict:
       keep_checkpoints=2,
       log_every=10,
       seed=0,
+      bos=False,  # rows start with BOS (a shared first token: sinks)
       # None: $KVJAX_DATA_DIR, else the user's cache directory
       # (kvjax.data.resolve_data_dir); `python -m kvjax.data --setup`.
       data_dir=ml_collections.config_dict.placeholder(str),

@@ -418,7 +418,7 @@ def _check_window(stream: np.ndarray, seq_len: int) -> None:
 
 
 def train_batch(stream: np.ndarray, *, batch_size: int, seq_len: int,
-                seed: int, step: int) -> np.ndarray:
+                seed: int, step: int, bos: bool = False) -> np.ndarray:
   """Random windows of the training stream for one step.
 
   A pure function of (stream, batch_size, seq_len, seed, step): the generator
@@ -431,6 +431,9 @@ def train_batch(stream: np.ndarray, *, batch_size: int, seq_len: int,
     seq_len: T; each row holds T+1 tokens (inputs [:, :-1], targets [:, 1:]).
     seed: data seed (non-negative).
     step: training step (non-negative).
+    bos: every row is BOS followed by a window of T tokens (a first token
+      every row shares, where attention sinks can form), instead of a
+      window of T + 1.
 
   Returns:
     int32 [B, T+1].
@@ -440,17 +443,28 @@ def train_batch(stream: np.ndarray, *, batch_size: int, seq_len: int,
     raise ValueError(f"seed and step must be non-negative, got {seed}, {step}")
   rng = np.random.default_rng([seed, step])
   starts_B = rng.integers(0, stream.shape[0] - seq_len, size=batch_size)
-  offsets = np.arange(seq_len + 1)
-  return np.asarray(stream[starts_B[:, None] + offsets[None, :]], np.int32)
+  return _windows(stream, starts_B, seq_len, bos)
+
+
+def _windows(stream: np.ndarray, starts, seq_len: int, bos: bool):
+  """[len(starts), T+1]: the windows of T + 1 tokens at `starts`, or BOS and
+  the windows of T tokens."""
+  n = seq_len if bos else seq_len + 1
+  rows = np.asarray(stream[np.asarray(starts, np.int64)[:, None] +
+                           np.arange(n)[None, :]], np.int32)
+  if bos:
+    rows = np.concatenate([np.full((rows.shape[0], 1), BOS, np.int32), rows],
+                          axis=1)
+  return rows
 
 
 def eval_batches(stream: np.ndarray, *, batch_size: int, seq_len: int,
-                 num_batches: int) -> np.ndarray:
+                 num_batches: int, bos: bool = False) -> np.ndarray:
   """A fixed evaluation set: evenly spaced windows across the whole stream.
 
   No randomness: the windows start at `linspace(0, T' - T - 1, num_batches*B)`,
   so they sample the whole held-out text, and they do not overlap whenever the
-  stream holds that many windows.
+  stream holds that many windows. `bos`: as `train_batch`.
 
   Returns:
     int32 [num_batches, B, T+1].
@@ -460,10 +474,8 @@ def eval_batches(stream: np.ndarray, *, batch_size: int, seq_len: int,
   if count < 1:
     raise ValueError(f"need at least one window, got {num_batches}x{batch_size}")
   starts = np.linspace(0, stream.shape[0] - seq_len - 1, count).round()
-  offsets = np.arange(seq_len + 1)
-  windows = stream[starts.astype(np.int64)[:, None] + offsets[None, :]]
-  return np.asarray(windows, np.int32).reshape(num_batches, batch_size,
-                                               seq_len + 1)
+  return _windows(stream, starts, seq_len, bos).reshape(
+      num_batches, batch_size, seq_len + 1)
 
 
 # ----------------------------------------------------------------------------

@@ -86,3 +86,10 @@ def attention_probs(params, config: ModelConfig, tokens, attention_mask=None):
   check_probe(config, *tokens.shape)
   return _attention_probs(params, config, jnp.asarray(tokens, jnp.int32),
                           jnp.asarray(mask))
+
+
+def first_token_mass(probs_LBNTT, min_query: int = 0) -> jax.Array:
+  """[L, N]: the mean attention queries at positions >= `min_query` pay
+  the row's first token (a sink, when far above the uniform 1 / (t + 1)),
+  from `attention_probs` of unpadded rows."""
+  return jnp.mean(probs_LBNTT[:, :, :, min_query:, 0], axis=(1, 3))

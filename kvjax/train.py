@@ -47,6 +47,7 @@ import kvjax
 from kvjax import data
 from kvjax import orbax_checkpoint
 from kvjax import packed
+from kvjax import probe
 
 Params = Any
 LogitsFn = Callable[[Params, jax.Array], jax.Array]
@@ -79,6 +80,7 @@ class TrainConfig:
   keep_checkpoints: int = 2
   log_every: int = 10
   seed: int = 0
+  bos: bool = False  # rows start with BOS (`data.train_batch`)
   data_dir: str | None = None  # None: $KVJAX_DATA_DIR or ./data/janeaustenr
 
   def __post_init__(self):
@@ -325,7 +327,7 @@ def austen_batches(train_tokens: np.ndarray, config: TrainConfig
   def batch_fn(i: int):
     return (data.train_batch(train_tokens, batch_size=config.batch_size,
                              seq_len=config.seq_len, seed=config.seed,
-                             step=i),)
+                             step=i, bos=config.bos),)
 
   return batch_fn
 
@@ -450,7 +452,8 @@ def run(model_config, config: TrainConfig,
   val_batches = data.eval_batches(streams.validation,
                                   batch_size=config.batch_size,
                                   seq_len=config.seq_len,
-                                  num_batches=config.eval_batches)
+                                  num_batches=config.eval_batches,
+                                  bos=config.bos)
   workdir = pathlib.Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   model_config_dict = model_config.to_dict()
@@ -467,8 +470,23 @@ def run(model_config, config: TrainConfig,
   state = create_train_state(params, model_logits_fn(model_config),
                              make_optimizer(config))
   start = time.perf_counter()
+  # Attention sinks as training goes: the first token's attention mass on
+  # the first validation batch, every evaluation (`probe.first_token_mass`).
+  sink_rows = val_batches[0][:4, :-1]
+
+  def evaluate_fn(st):
+    out = evaluate(st, val_batches)
+    if model_config.attention_impl == "einsum":
+      mass_LN = np.asarray(probe.first_token_mass(
+          probe.attention_probs(st.params, model_config, sink_rows),
+          config.seq_len // 2))
+      out.update(sink_mass=float(mass_LN.mean()),
+                 sink_mass_max=float(mass_LN.max()),
+                 sink_mass_layers=mass_LN.mean(axis=1).tolist())
+    return out
+
   _, final = fit(state, batch_fn=austen_batches(streams.train, config),
-                 evaluate_fn=lambda st: evaluate(st, val_batches),
+                 evaluate_fn=evaluate_fn,
                  config=config, workdir=workdir,
                  model_config_dict=model_config_dict)
   final["wall_s"] = time.perf_counter() - start

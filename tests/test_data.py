@@ -110,6 +110,21 @@ class BatchTest(parameterized.TestCase):
     for row in batch:
       self.assertIn(row.astype(np.int32).tobytes(), joined)
 
+  def test_bos_rows_are_bos_and_a_window(self):
+    kw = dict(batch_size=4, seq_len=16)
+    batch = data.train_batch(self.stream, seed=0, step=3, bos=True, **kw)
+    self.assertEqual(batch.shape, (4, 17))
+    np.testing.assert_array_equal(batch[:, 0], data.BOS)
+    joined = self.stream.tobytes()
+    for row in batch:
+      self.assertIn(row[1:].tobytes(), joined)
+    evals = data.eval_batches(self.stream, num_batches=2, bos=True, **kw)
+    self.assertEqual(evals.shape, (2, 4, 17))
+    np.testing.assert_array_equal(evals[..., 0], data.BOS)
+    plain = data.eval_batches(self.stream, num_batches=2, **kw)
+    # The same starts: BOS takes the place of the window's last token.
+    np.testing.assert_array_equal(evals[..., 1:], plain[..., :-1])
+
   def test_train_batch_depends_only_on_seed_and_step(self):
     kw = dict(batch_size=8, seq_len=16)
     first = data.train_batch(self.stream, seed=1, step=7, **kw)

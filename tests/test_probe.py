@@ -231,6 +231,18 @@ class ProbeInvariantsTest(absltest.TestCase):
       np.testing.assert_allclose(got, np.ones((2, 1, 4, 1, 1)), rtol=1e-6)
 
 
+class FirstTokenMassTest(absltest.TestCase):
+
+  def test_equals_the_sink_mass_of_attention_stats(self):
+    config, params = tiny("gqa"), tiny_params("gqa")
+    tokens = np.random.default_rng(0).integers(0, 256, (2, 24))
+    probs = probe.attention_probs(params, config, tokens)
+    got = np.asarray(probe.first_token_mass(probs, 12))
+    want = attention_stats.sink_mass(np.asarray(probs), k=1, min_query=12)
+    self.assertEqual(got.shape, (config.num_layers, config.num_heads))
+    assert_close(got, want, compute="float32")
+
+
 class AttentionStatsTest(absltest.TestCase):
   """Statistics against closed forms (numpy only)."""
 
