@@ -17,9 +17,6 @@ writes compare_commits.json (with the CPU model) to --workdir.
 import json
 import os
 import statistics
-import subprocess
-import sys
-import tempfile
 
 from absl import flags
 
@@ -68,14 +65,8 @@ print(json.dumps(dict(median_s=statistics.median(ts), times=ts)))
 
 
 def _probe(tree: str, preset: str, batch: int) -> float:
-  env = dict(os.environ, PYTHONPATH=tree, JAX_PLATFORMS="cpu")
-  out = subprocess.run(
-      [sys.executable, "-c", _PROBE, preset, str(batch), str(_PROMPT.value),
-       str(_NEW.value), str(_REPEATS.value)],
-      cwd=tree, env=env, capture_output=True, text=True, check=False)
-  if out.returncode:
-    raise RuntimeError(f"probe failed in {tree}:\n{out.stderr[-2000:]}")
-  return json.loads(out.stdout.strip().splitlines()[-1])["median_s"]
+  return bm.run_probe(tree, _PROBE, preset, batch, _PROMPT.value,
+                      _NEW.value, _REPEATS.value)["median_s"]
 
 
 def main(argv):
@@ -83,36 +74,23 @@ def main(argv):
   head = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   os.makedirs(_WORKDIR.value, exist_ok=True)
   rows = []
-  with tempfile.TemporaryDirectory() as tmp:
-    base = os.path.join(tmp, "base")
-    subprocess.run(["git", "-C", head, "worktree", "add", "--detach", base,
-                    _BASE.value], check=True, capture_output=True)
-    try:
-      for preset in _PRESETS.value:
-        for batch in _BATCHES.value:
-          t = {"base": [], "head": []}
-          for _ in range(_ROUNDS.value):
-            t["base"].append(_probe(base, preset, batch))
-            t["head"].append(_probe(head, preset, batch))
-          ratios = [h / b for h, b in zip(t["head"], t["base"])]
-          row = dict(preset=preset, batch=batch, base_s=t["base"],
-                     head_s=t["head"], ratio=statistics.median(ratios),
-                     ratios=ratios)
-          rows.append(row)
-          print(f"{preset} b{batch}: head/base time {row['ratio']:.3f} "
-                f"(rounds {', '.join(f'{r:.3f}' for r in ratios)}; base "
-                f"{statistics.median(t['base']):.2f} s, head "
-                f"{statistics.median(t['head']):.2f} s)", flush=True)
-    finally:
-      subprocess.run(["git", "-C", head, "worktree", "remove", "--force",
-                      base], check=False, capture_output=True)
-  rev = subprocess.run(["git", "-C", head, "rev-parse", "--short", "HEAD"],
-                       capture_output=True, text=True, check=False)
-  result = dict(base=_BASE.value, head=rev.stdout.strip(),
-                dirty=bool(subprocess.run(
-                    ["git", "-C", head, "status", "--porcelain",
-                     "--untracked-files=no"], capture_output=True,
-                    text=True, check=False).stdout.strip()),
+  with bm.commit_checkout(head, _BASE.value) as base:
+    for preset in _PRESETS.value:
+      for batch in _BATCHES.value:
+        t = {"base": [], "head": []}
+        for _ in range(_ROUNDS.value):
+          t["base"].append(_probe(base, preset, batch))
+          t["head"].append(_probe(head, preset, batch))
+        ratios = [h / b for h, b in zip(t["head"], t["base"])]
+        row = dict(preset=preset, batch=batch, base_s=t["base"],
+                   head_s=t["head"], ratio=statistics.median(ratios),
+                   ratios=ratios)
+        rows.append(row)
+        print(f"{preset} b{batch}: head/base time {row['ratio']:.3f} "
+              f"(rounds {', '.join(f'{r:.3f}' for r in ratios)}; base "
+              f"{statistics.median(t['base']):.2f} s, head "
+              f"{statistics.median(t['head']):.2f} s)", flush=True)
+  result = dict(base=_BASE.value, **bm.revision(head),
                 prompt_len=_PROMPT.value, new_tokens=_NEW.value,
                 host=bm.machine_info(), rows=rows)
   with open(os.path.join(_WORKDIR.value, "compare_commits.json"), "w") as f:

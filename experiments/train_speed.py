@@ -27,9 +27,6 @@ train_speed.json (with the CPU model) to --workdir.
 import json
 import os
 import statistics
-import subprocess
-import sys
-import tempfile
 
 from absl import flags
 
@@ -83,13 +80,7 @@ print(json.dumps(dict(median_s=statistics.median(ts), times=ts,
 
 
 def _probe(tree: str, variant: str) -> dict:
-  env = dict(os.environ, PYTHONPATH=tree, JAX_PLATFORMS="cpu")
-  out = subprocess.run(
-      [sys.executable, "-c", _PROBE, variant, str(_REPEATS.value)],
-      cwd=tree, env=env, capture_output=True, text=True, check=False)
-  if out.returncode:
-    raise RuntimeError(f"probe failed in {tree}:\n{out.stderr[-2000:]}")
-  return json.loads(out.stdout.strip().splitlines()[-1])
+  return bm.run_probe(tree, _PROBE, variant, _REPEATS.value)
 
 
 def step_flops(variant: str) -> tuple[float, int]:
@@ -105,52 +96,39 @@ def main(argv):
   head = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   os.makedirs(_WORKDIR.value, exist_ok=True)
   rows = []
-  with tempfile.TemporaryDirectory() as tmp:
-    base = os.path.join(tmp, "base")
-    subprocess.run(["git", "-C", head, "worktree", "add", "--detach", base,
-                    _BASE.value], check=True, capture_output=True)
-    try:
-      for variant in _VARIANTS.value:
-        flops, tokens = step_flops(variant)
-        t = {"base": [], "head": []}
-        loss = {}
-        peaks = []
-        for _ in range(_ROUNDS.value):
-          peaks.append(bm.matmul_peak()["flops_per_s"])
-          for side, tree in (("base", base), ("head", head)):
-            r = _probe(tree, variant)
-            t[side].append(r["median_s"])
-            loss[side] = r["loss"]
-        speedups = [b / h for b, h in zip(t["base"], t["head"])]
-        peak = statistics.median(peaks)
-        med = {side: statistics.median(v) for side, v in t.items()}
-        row = dict(variant=variant, tokens_per_step=tokens,
-                   model_flops_per_step=flops, matmul_peak_flops_per_s=peak,
-                   base_s=t["base"], head_s=t["head"],
-                   speedup=statistics.median(speedups), speedups=speedups,
-                   **{f"{side}_tokens_per_s": tokens / med[side]
-                      for side in med},
-                   **{f"{side}_mfu": flops / med[side] / peak for side in med},
-                   base_loss=loss["base"], head_loss=loss["head"])
-        rows.append(row)
-        print(f"{variant}: head {row['head_tokens_per_s']:.0f} tok/s "
-              f"(MFU {row['head_mfu']:.1%}), base "
-              f"{row['base_tokens_per_s']:.0f} tok/s (MFU "
-              f"{row['base_mfu']:.1%}); speed-up {row['speedup']:.2f}x "
-              f"(rounds {', '.join(f'{s:.2f}' for s in speedups)}); matmul "
-              f"probe {peak / 1e9:.0f} GFLOP/s; loss after "
-              f"{_REPEATS.value + 2} steps base {loss['base']:.6f}, head "
-              f"{loss['head']:.6f}", flush=True)
-    finally:
-      subprocess.run(["git", "-C", head, "worktree", "remove", "--force",
-                      base], check=False, capture_output=True)
-  rev = subprocess.run(["git", "-C", head, "rev-parse", "--short", "HEAD"],
-                       capture_output=True, text=True, check=False)
-  result = dict(base=_BASE.value, head=rev.stdout.strip(),
-                dirty=bool(subprocess.run(
-                    ["git", "-C", head, "status", "--porcelain",
-                     "--untracked-files=no"], capture_output=True,
-                    text=True, check=False).stdout.strip()),
+  with bm.commit_checkout(head, _BASE.value) as base:
+    for variant in _VARIANTS.value:
+      flops, tokens = step_flops(variant)
+      t = {"base": [], "head": []}
+      loss = {}
+      peaks = []
+      for _ in range(_ROUNDS.value):
+        peaks.append(bm.matmul_peak()["flops_per_s"])
+        for side, tree in (("base", base), ("head", head)):
+          r = _probe(tree, variant)
+          t[side].append(r["median_s"])
+          loss[side] = r["loss"]
+      speedups = [b / h for b, h in zip(t["base"], t["head"])]
+      peak = statistics.median(peaks)
+      med = {side: statistics.median(v) for side, v in t.items()}
+      row = dict(variant=variant, tokens_per_step=tokens,
+                 model_flops_per_step=flops, matmul_peak_flops_per_s=peak,
+                 base_s=t["base"], head_s=t["head"],
+                 speedup=statistics.median(speedups), speedups=speedups,
+                 **{f"{side}_tokens_per_s": tokens / med[side]
+                    for side in med},
+                 **{f"{side}_mfu": flops / med[side] / peak for side in med},
+                 base_loss=loss["base"], head_loss=loss["head"])
+      rows.append(row)
+      print(f"{variant}: head {row['head_tokens_per_s']:.0f} tok/s "
+            f"(MFU {row['head_mfu']:.1%}), base "
+            f"{row['base_tokens_per_s']:.0f} tok/s (MFU "
+            f"{row['base_mfu']:.1%}); speed-up {row['speedup']:.2f}x "
+            f"(rounds {', '.join(f'{s:.2f}' for s in speedups)}); matmul "
+            f"probe {peak / 1e9:.0f} GFLOP/s; loss after "
+            f"{_REPEATS.value + 2} steps base {loss['base']:.6f}, head "
+            f"{loss['head']:.6f}", flush=True)
+  result = dict(base=_BASE.value, **bm.revision(head),
                 host=bm.machine_info(), rows=rows)
   with open(os.path.join(_WORKDIR.value, "train_speed.json"), "w") as f:
     json.dump(result, f, indent=1)

@@ -107,8 +107,27 @@ PAGED_FIELDS = {
 RESID_FIELDS = {"kv": ("k_resid",), "latent": ("c_resid", "r_resid")}
 
 
+class _Pool:
+  """What a page pool's shapes say (`pool`: field name -> [L, Z, ...])."""
+
+  @property
+  def kind(self) -> str:
+    return "latent" if "c_kv" in self.pool else "kv"
+
+  @property
+  def page_size(self) -> int:
+    """Y."""
+    return self.pool["c_kv"].shape[2] if self.kind == "latent" else (
+        self.pool["k"].shape[3])
+
+  @property
+  def num_pages(self) -> int:
+    """Z."""
+    return next(iter(self.pool.values())).shape[1]
+
+
 @struct.dataclass
-class PagedCache:
+class PagedCache(_Pool):
   """A page pool shared by B sequences, and each sequence's block table.
 
   pool: field name -> pool array ([L, Z, ..., Y', ...], the module
@@ -128,21 +147,6 @@ class PagedCache:
   resid: dict
   policy: cache_lib.CachePolicy = struct.field(
       pytree_node=False, default=cache_lib.CachePolicy())
-
-  @property
-  def kind(self) -> str:
-    return "latent" if "c_kv" in self.pool else "kv"
-
-  @property
-  def page_size(self) -> int:
-    """Y."""
-    return self.pool["c_kv"].shape[2] if self.kind == "latent" else (
-        self.pool["k"].shape[3])
-
-  @property
-  def num_pages(self) -> int:
-    """Z."""
-    return next(iter(self.pool.values())).shape[1]
 
   @property
   def max_pages(self) -> int:
@@ -374,7 +378,7 @@ def pages_written(tokens: int, page_size: int) -> int:
 
 # ---- the decode cache kind (traced) ------------------------------------------
 @struct.dataclass
-class PagedKV:
+class PagedKV(_Pool):
   """A decode call's paged cache: the pool read and written in place.
 
   pool: field name -> [L, Z, ...] pool arrays (`PagedCache.pool`).
@@ -400,15 +404,6 @@ class PagedKV:
   policy: cache_lib.CachePolicy = struct.field(
       pytree_node=False, default=cache_lib.CachePolicy())
   scores = None  # eviction 'none': nothing scored
-
-  @property
-  def kind(self) -> str:
-    return "latent" if "c_kv" in self.pool else "kv"
-
-  @property
-  def page_size(self) -> int:
-    return self.pool["c_kv"].shape[2] if self.kind == "latent" else (
-        self.pool["k"].shape[3])
 
   @property
   def capacity(self) -> int:
@@ -446,8 +441,7 @@ def _locate(cache: PagedKV, slots_BT):
   """(page [B, T] (Z: drop), offset in page [B, T], lost [B]): where the
   new tokens go; a kept token (slot below the limit) whose page is not
   mapped is lost and recorded as OVERFLOW by the caller."""
-  Y, A = cache.page_size, cache.table.shape[1]
-  Z = next(iter(cache.pool.values())).shape[1]
+  Y, A, Z = cache.page_size, cache.table.shape[1], cache.num_pages
   j_BT = slots_BT // Y
   page_BT = jnp.take_along_axis(cache.table, jnp.minimum(j_BT, A - 1),
                                 axis=1)
@@ -469,7 +463,7 @@ def _write(cache: PagedKV, layer, slots_BT, a_BT, b_BT):
   """Stores one layer's new (k, v) or MLA (c_kv, k_rope) at `slots`
   (KIVI arrays: the group of the slot, from the updated residual)."""
   page_BT, off_BT, lost_B = _locate(cache, slots_BT)
-  Z, Y = next(iter(cache.pool.values())).shape[1], cache.page_size
+  Z, Y = cache.num_pages, cache.page_size
   axes = _slot_axes(cache.kind)
   pool, resid = dict(cache.pool), dict(cache.resid)
   for (payload, scale, r_name), x in zip(_triples(cache), (a_BT, b_BT)):

@@ -31,15 +31,19 @@ Shapes use the alphabet of `kvjax.config`.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import functools
 import gc
+import json
 import os
 import platform
 import resource
 import statistics
 import subprocess
+import sys
+import tempfile
 import time
 from typing import Any, Callable, Mapping
 
@@ -533,6 +537,42 @@ class PeakRSS:
     return dict(before_bytes=self.before, peak_bytes=self.peak,
                 after_bytes=self.after, delta_bytes=self.delta,
                 reset_ok=self.reset_ok)
+
+
+# ---- two commits side by side (experiments/compare_commits.py, train_speed.py)
+@contextlib.contextmanager
+def commit_checkout(repo: str, rev: str):
+  """A temporary detached git worktree of `repo` at `rev` (its path),
+  removed on exit."""
+  with tempfile.TemporaryDirectory() as tmp:
+    tree = os.path.join(tmp, "base")
+    subprocess.run(["git", "-C", repo, "worktree", "add", "--detach", tree,
+                    rev], check=True, capture_output=True)
+    try:
+      yield tree
+    finally:
+      subprocess.run(["git", "-C", repo, "worktree", "remove", "--force",
+                      tree], check=False, capture_output=True)
+
+
+def run_probe(tree: str, script: str, *args) -> dict:
+  """Runs `script` (Python source) in a fresh CPU subprocess that imports
+  kvjax from `tree`; returns the JSON of its last stdout line."""
+  env = dict(os.environ, PYTHONPATH=tree, JAX_PLATFORMS="cpu")
+  out = subprocess.run([sys.executable, "-c", script, *map(str, args)],
+                       cwd=tree, env=env, capture_output=True, text=True,
+                       check=False)
+  if out.returncode:
+    raise RuntimeError(f"probe failed in {tree}:\n{out.stderr[-2000:]}")
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def revision(repo: str) -> dict[str, Any]:
+  """{'head': short commit of `repo`, 'dirty': tracked files changed}."""
+  git = lambda *a: subprocess.run(["git", "-C", repo, *a], capture_output=True,
+                                  text=True, check=False).stdout.strip()
+  return dict(head=git("rev-parse", "--short", "HEAD"),
+              dirty=bool(git("status", "--porcelain", "--untracked-files=no")))
 
 
 def machine_info() -> dict[str, Any]:
