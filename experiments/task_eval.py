@@ -1,26 +1,39 @@
-r"""Long-context task accuracy against cache budget, per eviction policy.
+r"""Long-context task accuracy against KV-cache bytes, per eviction policy
+and storage format.
 
 Generates `kvjax.lab.tasks` examples (passkey, RULER NIAH, MQAR) at several
-lengths and needle depths, answers them greedily through each cache policy
-at each budget (`kvjax.lab.task_eval`), and reports exact-match accuracy.
+lengths and needle depths, in --seeds independent draws, answers them
+greedily through each cache policy × kv dtype at each budget
+(`kvjax.lab.task_eval`), and reports exact-match accuracy. Which policy
+keeps the needle at 10 % of the cache:
 
   python experiments/task_eval.py --workdir=workdir/task_eval
   python experiments/task_eval.py --checkpoint=workdir/tasks-gqa-passkey \
-      --tasks=passkey --lengths=256,512,1024 --workdir=workdir/task_eval_pk
+      --tasks=passkey --lengths=256 --kv_dtypes=float32,int8,kivi \
+      --workdir=workdir/task_eval_pk
+
+Policies: full, window, sinks<n> and every scored policy of
+`kvjax.policies` (h2o, tova, knorm, snapkv, pyramid, adakv, keydiff), each
+with `recent` = half the slots. Per-layer/head policies (snapkv, tova,
+knorm, ...) compress a prompt longer than their budget once at prefill
+(SnapKV); with '@stream' they evict during decode instead, the prompt fed
+token by token — the comparison of prefill-time compression with
+decode-time eviction.
 
 Models: --checkpoint is a training workdir
-(`kvjax.orbax_checkpoint.restore_params`: the shipped checkpoints/austen-gqa,
-or a task model from
-`python -m kvjax.lab.tasks --config=configs/tasks.py:gqa-passkey`); with
---checkpoint='' a random-weight preset from --model (a smoke run: it
+(`kvjax.orbax_checkpoint.restore_params`: the shipped task model, or one
+from `python -m kvjax.lab.tasks --config=configs/tasks.py:gqa-passkey`);
+with --checkpoint='' a random-weight preset from --model (a smoke run: it
 scores ~0, the chance level of exact match, and ~ -A·ln 259 nats of
 teacher-forced log-likelihood).
 
-Outputs in --workdir: results.json (every record, the accuracy tables with
-95 % Wilson intervals, flags, the machine incl. the CPU model), table.md,
-budget.png (accuracy against cache budget and KV bytes, one curve per
-policy, one panel per task), heatmap.png (accuracy over length × depth per
-task and policy at --heatmap_budget).
+Outputs in --workdir: results.json (every record, the accuracy table with
+95 % Wilson intervals and the per-draw accuracies, the best and worst
+policy, flags, commit, the machine incl. the CPU model), table.md,
+budget.png (accuracy against KV bytes per sequence, one curve per policy
+and format, one panel per task and length), depth_budget.png (needle
+depth × budget for the best and the worst policy), heatmap.png (accuracy
+over length × depth per policy at --heatmap_budget).
 """
 
 import json
@@ -57,14 +70,23 @@ _TASKS = flags.DEFINE_list("tasks", "passkey,niah_single,mqar",
                            f"Task names from {sorted(tasks.TASKS)}.")
 _LENGTHS = flags.DEFINE_list("lengths", "256,1024", "Prompt lengths T.")
 _DEPTHS = flags.DEFINE_list("depths", "0,0.5,1", "Needle depths in [0, 1].")
-_SAMPLES = flags.DEFINE_integer("samples", 2,
+_SAMPLES = flags.DEFINE_integer("samples", 4,
                                 "Examples per (task, length, depth).")
 _SEED = flags.DEFINE_integer("seed", 0, "First example seed.")
 _POLICIES = flags.DEFINE_list(
-    "policies", "full,window,sinks4,h2o",
-    "full, window, sinks<n>, h2o; ':original' / ':cache' picks the RoPE "
-    "position mode.")
-_BUDGETS = flags.DEFINE_list("budgets", "0.1,0.5",
+    "policies", "full,window,sinks4,h2o,tova,snapkv,snapkv@stream,knorm",
+    "full, window, sinks<n> or a scored policy of kvjax.policies (h2o, "
+    "tova, knorm, snapkv, pyramid, adakv, keydiff); ':original' / ':cache' "
+    "picks the RoPE position mode, '@stream' evicts during decode instead "
+    "of compressing the prompt at prefill.")
+_KV_DTYPES = flags.DEFINE_list(
+    "kv_dtypes", "float32",
+    f"Cache storage formats from {task_eval.KV_FORMATS} ('kivi' runs with "
+    "policy 'full' only).")
+_SEEDS = flags.DEFINE_integer(
+    "seeds", 3, "Independent draws of the task data (seeds --seed, "
+    "--seed + 10000, ...): accuracy is reported pooled and per draw.")
+_BUDGETS = flags.DEFINE_list("budgets", "0.1,0.25,0.5,0.75",
                              "Cache slots as a share of the prompt, (0, 1].")
 _HEATMAP_BUDGET = flags.DEFINE_float(
     "heatmap_budget", None, "Budget of the heatmaps (default: the median of "
@@ -92,70 +114,145 @@ def load_model():
       f"random {_MODEL.value.preset}")
 
 
+SEED_STRIDE = 10000  # seeds of one draw: seed + i for i < samples
+
+
+def label(r) -> str:
+  return (r["policy"] if r["kv_dtype"] == "float32" else
+          f"{r['policy']} [{r['kv_dtype']}]")
+
+
 def summarize(records):
-  """Rows (task, policy, budget, kv_bytes, accuracy, CI, n)."""
+  """Rows per (task, length, policy, kv dtype, budget): accuracy pooled
+  over depths and draws with its 95 % Wilson interval, the accuracy of
+  each draw of the data (`--seeds`) and their standard deviation, and the
+  KV bytes of one sequence's cache."""
+  keys = ("task", "length", "policy", "kv_dtype", "budget")
+  grid = task_eval.accuracy_grid(records, keys=keys)
+  kv = task_eval.accuracy_grid(records, "kv_bytes", keys=keys)
+  per_draw = task_eval.accuracy_grid(records, keys=keys + ("draw",))
   rows = []
-  grid = task_eval.accuracy_grid(records, keys=("task", "policy", "budget"))
-  kv = task_eval.accuracy_grid(records, "kv_bytes",
-                               keys=("task", "policy", "budget"))
-  for (task, policy, budget), (acc, n) in grid.items():
+  for key, (acc, n) in grid.items():
     lo, hi = task_eval.wilson_interval(acc * n, n)
-    rows.append(dict(task=task, policy=policy, budget=budget,
-                     kv_bytes_mean=kv[(task, policy, budget)][0],
-                     accuracy=acc, ci95=[lo, hi], n=n))
+    draws = [a for k, (a, _) in per_draw.items() if k[:-1] == key]
+    row = dict(zip(keys, key))
+    row.update(label=label(row), kv_bytes=kv[key][0], accuracy=acc,
+               ci95=[lo, hi], n=n, draws=draws,
+               draw_std=float(np.std(draws, ddof=1)) if len(draws) > 1
+               else 0.0)
+    rows.append(row)
   return rows
 
 
-def markdown(rows, task_names, policies, budgets) -> str:
-  """Accuracy per task and policy (rows) and budget (columns); the full
-  cache is budget-free and shows under 1."""
+def markdown(rows, budgets) -> str:
+  """Accuracy per task, length and policy (rows) and budget (columns),
+  with the draws' standard deviation; the full cache is budget-free and
+  shows under 1."""
   budgets = sorted(set(budgets) | {1.0})
-  head = "| task | policy | " + " | ".join(f"{b:g}" for b in budgets) + " |"
-  lines = [head, "|" + "---|" * (2 + len(budgets))]
-  cell = {(r["task"], r["policy"], r["budget"]): r for r in rows}
-  for task in task_names:
-    for p in policies:
-      vals = []
-      for b in budgets:
-        r = cell.get((task, p, b))
-        vals.append("" if r is None else f"{r['accuracy']:.2f} (n={r['n']})")
-      lines.append(f"| {task} | {p} | " + " | ".join(vals) + " |")
+  head = ("| task | T | policy | " + " | ".join(f"{b:g}" for b in budgets) +
+          " |")
+  lines = [head, "|" + "---|" * (3 + len(budgets))]
+  cell = {(r["task"], r["length"], r["label"], r["budget"]): r for r in rows}
+  for task, length, lab in dict.fromkeys(
+      (r["task"], r["length"], r["label"]) for r in rows):
+    vals = []
+    for b in budgets:
+      r = cell.get((task, length, lab, b))
+      vals.append("" if r is None else
+                  f"{r['accuracy']:.2f} ± {r['draw_std']:.2f}")
+    lines.append(f"| {task} | {length} | {lab} | " + " | ".join(vals) + " |")
   return "\n".join(lines)
 
 
-def plot_budget(rows, path, task_names, budgets, title):
+def plot_budget(rows, path, title):
+  """Accuracy against the KV bytes one sequence's cache holds, one panel
+  per (task, length), one curve per policy and format (95 % Wilson
+  intervals); the full cache is a point at its bytes and a dashed line."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  fig, axes = plt.subplots(1, len(task_names), squeeze=False,
-                           figsize=(5 * len(task_names), 4))
-  for ax, task in zip(axes[0], task_names):
-    for policy in dict.fromkeys(r["policy"] for r in rows):
-      rs = sorted((r for r in rows if r["task"] == task and
-                   r["policy"] == policy), key=lambda r: r["budget"])
-      x = [r["budget"] for r in rs]
+  panels = list(dict.fromkeys((r["task"], r["length"]) for r in rows))
+  fig, axes = plt.subplots(1, len(panels), squeeze=False,
+                           figsize=(6 * len(panels), 4.5))
+  for ax, (task, length) in zip(axes[0], panels):
+    for lab in dict.fromkeys(r["label"] for r in rows):
+      rs = sorted((r for r in rows if (r["task"], r["length"], r["label"]) ==
+                   (task, length, lab)), key=lambda r: r["kv_bytes"])
+      if not rs:
+        continue
+      x = [r["kv_bytes"] / 1024 for r in rs]
       y = [r["accuracy"] for r in rs]
       err = np.array([[r["accuracy"] - r["ci95"][0] for r in rs],
                       [r["ci95"][1] - r["accuracy"] for r in rs]])
-      if policy == "full":
-        ax.axhspan(rs[0]["ci95"][0], rs[0]["ci95"][1], color="grey",
-                   alpha=0.2)
-        ax.axhline(y[0], color="grey", linestyle="--",
-                   label=f"full cache ({y[0]:.2f})")
+      if rs[0]["policy"] == "full":
+        line = ax.errorbar(x, y, yerr=err, marker="*", markersize=10,
+                           capsize=3, linestyle="none", label=f"{lab}")
+        ax.axhline(y[0], color=line[0].get_color(), linestyle="--",
+                   alpha=0.5)
         continue
-      ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=policy)
-    ax.set_xlim(0, 1.05)
-    ax.set_xticks(budgets, [f"{b:g}" for b in budgets])
-    ax.set_xlabel("cache budget (slots / prompt length; all lengths pooled)")
+      ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=lab,
+                  linestyle="--" if "@stream" in lab else "-")
+    ax.set_xscale("log")
+    ax.set_xlabel("KV cache bytes per sequence (KiB, log)")
     ax.set_ylabel("exact-match accuracy")
     ax.set_ylim(-0.05, 1.05)
-    ax.set_title(task)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.set_title(f"{task}, T = {length}")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
   fig.suptitle(title, fontsize=9)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
+
+
+def best_and_worst(rows, task: str) -> tuple[str, str]:
+  """The evicting policies (labels) with the highest and the lowest mean
+  accuracy over the budgets, for `task`."""
+  means = {}
+  for r in rows:
+    if r["task"] == task and r["policy"] != "full":
+      means.setdefault(r["label"], []).append(r["accuracy"])
+  ranked = sorted(means, key=lambda k: np.mean(means[k]))
+  return ranked[-1], ranked[0]
+
+
+def plot_depth_budget(records, rows, path, task_names, title):
+  """Needle depth × budget accuracy for the best and the worst policy of
+  each task."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig, axes = plt.subplots(len(task_names), 2, squeeze=False,
+                           figsize=(8, 3.2 * len(task_names)))
+  chosen = {}
+  for i, task in enumerate(task_names):
+    best, worst = best_and_worst(rows, task)
+    chosen[task] = dict(best=best, worst=worst)
+    for j, (which, lab) in enumerate((("best", best), ("worst", worst))):
+      ax = axes[i, j]
+      rs = [r for r in records if r["task"] == task and label(r) == lab]
+      grid = task_eval.accuracy_grid(rs, keys=("depth", "budget"))
+      depths = sorted({k[0] for k in grid})
+      budgets = sorted({k[1] for k in grid})
+      img = np.full((len(depths), len(budgets)), np.nan)
+      for (d, b), (acc, _) in grid.items():
+        img[depths.index(d), budgets.index(b)] = acc
+      ax.imshow(img, vmin=0, vmax=1, cmap="viridis", aspect="auto",
+                origin="lower")
+      for a in range(len(depths)):
+        for b in range(len(budgets)):
+          ax.text(b, a, f"{img[a, b]:.2f}", ha="center", va="center",
+                  color="white" if img[a, b] < 0.5 else "black", fontsize=8)
+      ax.set_xticks(range(len(budgets)), [f"{b:g}" for b in budgets])
+      ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
+      ax.set_xlabel("cache budget (slots / prompt)")
+      ax.set_ylabel("needle depth")
+      ax.set_title(f"{task}: {which} policy, {lab}", fontsize=9)
+  fig.suptitle(title, fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return chosen
 
 
 def plot_heatmaps(records, path, task_names, budget, policies, title):
@@ -169,8 +266,8 @@ def plot_heatmaps(records, path, task_names, budget, policies, title):
     for j, policy in enumerate(policies):
       ax = axes[i, j]
       rs = [r for r in records if r["task"] == task and
-            r["policy"] == policy and
-            (policy == "full" or r["budget"] == budget)]
+            label(r) == policy and
+            (r["policy"] == "full" or r["budget"] == budget)]
       grid = task_eval.accuracy_grid(rs, keys=("length", "depth"))
       lengths = sorted({k[0] for k in grid})
       depths = sorted({k[1] for k in grid})
@@ -190,12 +287,27 @@ def plot_heatmaps(records, path, task_names, budget, policies, title):
       ax.set_xlabel("needle depth")
       ax.set_ylabel("prompt length")
       ax.set_title(f"{task}\n{policy}" +
-                   ("" if policy == "full" else f" @ {budget:g}"),
+                   ("" if policy.startswith("full") else f" @ {budget:g}"),
                    fontsize=9)
   fig.suptitle(title, fontsize=9)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
+
+
+def plan(policy_names, kv_dtypes):
+  """The PolicySpecs of the grid policies × formats; KIVI pairs only with
+  'full' (it cannot evict), the other pairs it would make are left out."""
+  specs, skipped = [], []
+  for kv in kv_dtypes:
+    for p in policy_names:
+      if kv == "kivi" and task_eval.parse_policy(p).kind != "full":
+        skipped.append(f"{p} [kivi]")
+        continue
+      specs.append(task_eval.parse_policy(p, kv))
+  if skipped:
+    logging.warning("kivi evicts nothing: left out %s", skipped)
+  return specs
 
 
 def main(argv):
@@ -204,7 +316,11 @@ def main(argv):
   lengths = [int(n) for n in _LENGTHS.value]
   depths = [float(d) for d in _DEPTHS.value]
   budgets = sorted(task_eval.check_budget(float(b)) for b in _BUDGETS.value)
-  specs = [task_eval.parse_policy(p) for p in _POLICIES.value]
+  if _SEEDS.value < 1:
+    raise ValueError(f"seeds must be >= 1, got {_SEEDS.value}")
+  if _SAMPLES.value >= SEED_STRIDE:
+    raise ValueError(f"samples must be < {SEED_STRIDE}, got {_SAMPLES.value}")
+  specs = plan(_POLICIES.value, _KV_DTYPES.value)
   for name in _TASKS.value:
     spec = tasks.get_task(name)
     for n in lengths:
@@ -227,52 +343,63 @@ def main(argv):
     raise ValueError(f"lengths {too_long} exceed the model's max_seq_len="
                      f"{config.max_seq_len}")
   haystack = tasks.load_haystack("validation", _DATA_DIR.value)
-  examples = {name: tasks.task_set(name, lengths, depths, _SAMPLES.value,
-                                   _SEED.value, haystack)
-              for name in _TASKS.value}
-  logging.info("model: %s (%s, %d params); %d examples per task",
-               what, config.variant, kvjax.param_count(config),
-               len(next(iter(examples.values()))))
+  draws = {name: [tasks.task_set(name, lengths, depths, _SAMPLES.value,
+                                 _SEED.value + SEED_STRIDE * i, haystack)
+                  for i in range(_SEEDS.value)]
+           for name in _TASKS.value}
+  logging.info("model: %s (%s, %d params); %d draws of %d examples per task",
+               what, config.variant, kvjax.param_count(config), _SEEDS.value,
+               len(draws[_TASKS.value[0]][0]))
   records, seconds = [], {}
   t_all = time.perf_counter()
-  for name, exs in examples.items():
+  for name, sets in draws.items():
     for s in specs:
       for b in ([1.0] if s.kind == "full" else budgets):
         t0 = time.perf_counter()
-        records += task_eval.evaluate(params, config, exs, s, b,
+        for i, exs in enumerate(sets):
+          for r in task_eval.evaluate(params, config, exs, s, b,
                                       batch_size=_BATCH.value,
-                                      loglik=_LOGLIK.value)
-        seconds[f"{name}/{s.name}/{b:g}"] = time.perf_counter() - t0
+                                      loglik=_LOGLIK.value):
+            records.append(dict(r, draw=i))
+        seconds[f"{name}/{s.label}/{b:g}"] = time.perf_counter() - t0
   rows = summarize(records)
-  md = markdown(rows, _TASKS.value, [s.name for s in specs], budgets)
-  print(f"model: {what}; exact-match accuracy, all lengths {lengths} and "
-        f"depths {depths} pooled ('full' is budget-free: shown under 1)")
+  md = markdown(rows, budgets)
+  print(f"model: {what}; exact-match accuracy (± the standard deviation "
+        f"over {_SEEDS.value} draws of the data), depths {depths} pooled "
+        "('full' is budget-free: shown under 1)")
   print(md)
+  labels = list(dict.fromkeys(s.label for s in specs))
   heat = {}
   for name in _TASKS.value:
-    for s in specs:
-      rs = [r for r in records if r["task"] == name and r["policy"] == s.name
-            and (s.kind == "full" or r["budget"] == heat_budget)]
-      heat[f"{name}/{s.name}"] = {
+    for lab in labels:
+      rs = [r for r in records if r["task"] == name and label(r) == lab
+            and (r["policy"] == "full" or r["budget"] == heat_budget)]
+      heat[f"{name}/{lab}"] = {
           f"{n}/{d:g}": acc for (n, d), (acc, _) in
           task_eval.accuracy_grid(rs, keys=("length", "depth")).items()}
   fillers = sorted({r["filler"] for r in records})
-  title = (f"{what} ({config.variant}); {_SAMPLES.value} samples per "
-           f"length x depth; lengths {lengths}; filler {fillers}")
-  plot_budget(rows, os.path.join(_WORKDIR.value, "budget.png"),
-              _TASKS.value, budgets, title)
+  title = (f"{what} ({config.variant}); {_SEEDS.value} draws x "
+           f"{_SAMPLES.value} samples per length x depth; filler {fillers}")
+  plot_budget(rows, os.path.join(_WORKDIR.value, "budget.png"), title)
   plot_heatmaps(records, os.path.join(_WORKDIR.value, "heatmap.png"),
-                _TASKS.value, heat_budget, [s.name for s in specs], title)
+                _TASKS.value, heat_budget, labels, title)
+  chosen = None
+  if any(s.kind != "full" for s in specs):
+    chosen = plot_depth_budget(
+        records, rows, os.path.join(_WORKDIR.value, "depth_budget.png"),
+        _TASKS.value, title)
   machine = dict(cpu_model=bm.cpu_model(), cpu_count=os.cpu_count(),
                  jax=jax.__version__, backend=jax.default_backend(),
                  loadavg=os.getloadavg())
   out = dict(model=what, variant=config.variant,
              params=kvjax.param_count(config), machine=machine,
+             revision=bm.revision(os.path.dirname(os.path.abspath(__file__))),
              flags={f.name: f.value for f in (
                  _CHECKPOINT, _STEP, _TASKS, _LENGTHS, _DEPTHS, _SAMPLES,
-                 _SEED, _POLICIES, _BUDGETS, _LOGLIK, _BATCH)},
+                 _SEED, _SEEDS, _POLICIES, _KV_DTYPES, _BUDGETS, _LOGLIK,
+                 _BATCH)},
              heatmap_budget=heat_budget, fillers=fillers, table=rows,
-             heatmaps=heat, seconds=seconds,
+             best_and_worst=chosen, heatmaps=heat, seconds=seconds,
              wall_s=time.perf_counter() - t_all, records=records)
   with open(os.path.join(_WORKDIR.value, "results.json"), "w") as f:
     json.dump(out, f, indent=1)

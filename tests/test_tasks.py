@@ -494,12 +494,52 @@ class PolicyTest(parameterized.TestCase):
       ("full", "none", "original"), ("window", "window", "original"),
       ("sinks4", "sinks", "cache"), ("h2o", "h2o", "cache"),
       ("sinks1:original", "sinks", "original"),
-      ("h2o:original", "h2o", "original")))
+      ("h2o:original", "h2o", "original"), ("tova", "tova", "original"),
+      ("snapkv", "snapkv", "original"), ("knorm", "knorm", "original"),
+      ("pyramid", "pyramid", "original"), ("adakv", "adakv", "original"),
+      ("keydiff", "keydiff", "original"),
+      ("snapkv@stream", "snapkv", "original")))
   def test_parse(self, name, eviction, positions):
     spec = task_eval.parse_policy(name)
     policy = spec.at(64)
     self.assertEqual(policy.eviction, eviction)
     self.assertEqual(policy.positions, positions)
+    if policy.scored:  # half the slots are the always-kept recent window
+      self.assertEqual(policy.recent, 32)
+    self.assertEqual(spec.stream, name.endswith("@stream"))
+
+  def test_compression_at_prefill_or_at_decode(self):
+    # Per-layer/head policies compress a prompt longer than their budget
+    # at prefill, unless '@stream'; global h2o always streams.
+    for name, compresses in (("snapkv", True), ("tova", True),
+                             ("snapkv@stream", False), ("h2o", False),
+                             ("window", False)):
+      spec = task_eval.parse_policy(name)
+      self.assertEqual(spec.compresses(26, 256), compresses, name)
+      self.assertFalse(spec.compresses(300, 256), name)  # fits: no need
+    self.assertFalse(task_eval.one_pass(
+        task_eval.parse_policy("h2o").at(26), 26, 256))
+    self.assertTrue(task_eval.one_pass(
+        task_eval.parse_policy("snapkv").at(26), 26, 256))
+
+  def test_kv_bytes_are_exact(self):
+    config, _ = _tiny_model()
+    for kv_dtype in ("float32", "bfloat16", "float16", "int8"):
+      spec = task_eval.parse_policy("window", kv_dtype)
+      got = task_eval.sequence_kv_bytes(config, spec.at(26), 26)
+      self.assertEqual(got, kvjax.kv_bytes_per_token(config, kv_dtype) * 26,
+                       kv_dtype)
+
+  def test_kivi_bytes_and_capacity(self):
+    # Whole 32-token key groups, and the float32 residual group on top of
+    # the per-token bytes (L 1, K 1, H 16).
+    config, _ = _tiny_model()
+    spec = task_eval.parse_policy("full", "kivi")
+    cap = spec.capacity(0.5, 256, 5)
+    self.assertEqual(cap, 288)
+    per_token = kvjax.kv_bytes_per_token(config, "int8", key_group=32)
+    self.assertEqual(task_eval.sequence_kv_bytes(config, spec.at(cap), cap),
+                     per_token * cap + 1 * 1 * 32 * 16 * 4)
 
   def test_capacity(self):
     spec = task_eval.parse_policy("window")
@@ -520,9 +560,15 @@ class PolicyTest(parameterized.TestCase):
 
   def test_unknown_policy(self):
     with self.assertRaisesRegex(ValueError, "not one of full"):
-      task_eval.parse_policy("tova")
+      task_eval.parse_policy("lru")
     with self.assertRaisesRegex(ValueError, "n >= 1"):
       task_eval.parse_policy("sinks0")
+    with self.assertRaisesRegex(ValueError, "kv_dtype='int3'"):
+      task_eval.parse_policy("window", "int3")
+    with self.assertRaisesRegex(ValueError, "kv_dtype='kivi'.*'full'"):
+      task_eval.parse_policy("window", "kivi")
+    with self.assertRaisesRegex(ValueError, "'@stream' is for scored"):
+      task_eval.parse_policy("sinks4@stream")
 
   def test_wilson_interval(self):
     lo, hi = task_eval.wilson_interval(0, 10)
@@ -607,11 +653,38 @@ class DriverTest(parameterized.TestCase):
     np.testing.assert_array_equal(index[:, 0], U - 5)
     np.testing.assert_allclose(streamed[:, -5:], one[:, -5:], atol=1e-4)
 
+  @cases.product(name=("snapkv", "tova", "snapkv@stream"))
+  def test_teacher_forcing_reads_the_cache_generation_read(self, name):
+    # Teacher-forcing the model's own greedy answer through a compressed
+    # (or streamed) quarter-size cache reproduces that answer: the scored
+    # positions see the cache generation saw, not the whole prompt. (Large
+    # initial weights: attention far from uniform, so what is cached shows.)
+    config, _ = _tiny_model()
+    import jax  # pylint: disable=g-import-not-at-top
+    config = config.replace(init_scale=0.5)
+    params = kvjax.init_params(config, jax.random.key(1))
+    batch = tasks.batch_examples([tasks.generate("passkey", 128, d, 0)
+                                  for d in (0.0, 1.0)])
+    spec = task_eval.parse_policy(name)
+    cap = spec.capacity(0.25, 128, 5)
+    policy = spec.at(cap)
+    stream = True if spec.stream else None
+    greedy = task_eval.generate_answers(params, config, batch.tokens,
+                                        batch.attention_mask, 5, policy, cap,
+                                        stream=stream)
+    tokens = np.concatenate([batch.tokens, greedy[:, :-1]], axis=1)
+    mask = np.ones_like(tokens)
+    logits = task_eval.teacher_forced_logits(params, config, tokens, mask,
+                                             policy, cap, keep=5,
+                                             stream=stream)
+    np.testing.assert_array_equal(np.argmax(logits[:, -5:], -1), greedy)
+
   def test_random_model_scores_at_chance(self):
     # Chance of exact match is 1e-5 per 5-digit pass key.
     config, params = _tiny_model()
     exs = tasks.task_set("passkey", [128, 256], [0.0, 1.0], 2)
-    for policy, budget in (("full", 1.0), ("window", 0.5), ("h2o", 0.5)):
+    for policy, budget in (("full", 1.0), ("window", 0.5), ("h2o", 0.5),
+                           ("snapkv", 0.25)):
       recs = task_eval.evaluate(params, config, exs, policy, budget)
       self.assertLen(recs, 8)
       self.assertEqual(sum(r["exact"] for r in recs), 0.0)
@@ -696,18 +769,31 @@ class ExperimentTest(absltest.TestCase):
         [sys.executable, "experiments/task_eval.py", f"--workdir={workdir}",
          "--checkpoint=", "--model=configs/model.py:gqa-tiny",
          "--tasks=passkey,mqar", "--lengths=128", "--depths=0,1",
-         "--samples=1", "--policies=full,window,sinks2", "--budgets=0.5"],
+         "--samples=1", "--seeds=2", "--policies=full,window,snapkv",
+         "--kv_dtypes=float32,int8,kivi", "--budgets=0.5"],
         cwd=root, env=dict(os.environ, JAX_PLATFORMS="cpu"),
         capture_output=True, text=True, timeout=600)
     self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
-    self.assertIn("| passkey | window |", proc.stdout)
+    self.assertIn("| passkey | 128 | window |", proc.stdout)
+    self.assertIn("| passkey | 128 | snapkv [int8] |", proc.stdout)
+    self.assertIn("left out ['window [kivi]', 'snapkv [kivi]']", proc.stderr)
     with open(os.path.join(workdir, "results.json")) as f:
       out = json.load(f)
     self.assertTrue(out["machine"]["cpu_model"])
-    # 2 tasks x 2 depths x (full + 2 policies at one budget).
-    self.assertLen(out["records"], 2 * 2 * 3)
-    self.assertLen(out["table"], 2 * 3)
-    for name in ("budget.png", "heatmap.png", "table.md"):
+    # 2 tasks x 2 depths x 2 draws x (3 full + 2 x 2 policies at one budget).
+    self.assertLen(out["records"], 2 * 2 * 2 * 7)
+    self.assertLen(out["table"], 2 * 7)
+    for row in out["table"]:
+      self.assertLen(row["draws"], 2)
+      self.assertAlmostEqual(np.mean(row["draws"]), row["accuracy"])
+    by_label = {r["label"]: r["kv_bytes"] for r in out["table"]
+                if r["task"] == "passkey"}
+    self.assertLess(by_label["window [int8]"], by_label["window"])
+    self.assertLess(by_label["full [kivi]"], by_label["full"])
+    self.assertEqual({r["mode"] for r in out["records"]
+                      if r["policy"] == "snapkv"}, {"compressed"})
+    for name in ("budget.png", "heatmap.png", "depth_budget.png",
+                 "table.md"):
       self.assertGreater(os.path.getsize(os.path.join(workdir, name)), 0)
 
   def test_bad_flags_fail_before_compute(self):
@@ -718,7 +804,9 @@ class ExperimentTest(absltest.TestCase):
     for flag, message in (("--budgets=0", "budget must be in"),
                           ("--tasks=nope", "unknown task"),
                           ("--lengths=50", "below the minimum"),
-                          ("--policies=tova", "not one of full")):
+                          ("--policies=lru", "not one of full"),
+                          ("--kv_dtypes=int3", "kv_dtype='int3'"),
+                          ("--seeds=0", "seeds must be >= 1")):
       proc = subprocess.run(
           [sys.executable, "experiments/task_eval.py",
            f"--workdir={self.create_tempdir().full_path}", "--checkpoint=",

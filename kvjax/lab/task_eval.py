@@ -5,22 +5,31 @@ Only kvjax's public API runs the model: `kvjax.generate`, `kvjax.prefill`,
 `kvjax.kv_bytes_per_token`. Nothing here reads a cache's fields, so the
 eviction internals may change underneath.
 
-A policy is named ('full', 'window', 'sinks<n>', 'h2o', each optionally
-':original' or ':cache' for the RoPE position mode) and sized by a budget:
-the cache holds ceil(budget × T) slots for a T-token prompt ('full' holds
-the whole prompt and answer, whatever the budget). Two ways through the
-model, chosen per call by `one_pass`:
+A policy is named ('full', 'window', 'sinks<n>', or any scored policy of
+`kvjax.policies`: 'h2o', 'tova', 'knorm', 'snapkv', 'pyramid', 'adakv',
+'keydiff'; optionally ':original' or ':cache' for the RoPE position mode,
+then '@stream'), stored in one of `KV_FORMATS` (float32, bfloat16,
+float16, int8, KIVI, ...) and sized by a budget: the cache holds
+ceil(budget × T) slots for a T-token prompt ('full' holds the whole prompt
+and answer, whatever the budget). Three ways through the model, chosen per
+call:
 
   one pass   `kvjax.generate(policy=..., capacity=...)` (greedy), or
              `kvjax.prefill(all_logits=True)` for teacher forcing. The
              prompt is prefilled in one parallel call; window and sinks
              with positions='original' mask each query to what the cache
              would hold at its step, so this equals streaming the prompt.
-  streamed   where a one-pass prefill must fit the cache (h2o, and
-             positions='cache'): `kvjax.prefill` of the first `capacity`
-             tokens, then `kvjax.decode_step` per remaining prompt token,
-             then greedy `decode_step`s. Every cache sees the prompt as a
-             stream, token by token, as in StreamingLLM and H2O.
+  compressed per-layer/head policies (snapkv, tova, knorm, pyramid, adakv,
+             keydiff) over a prompt longer than their budget: the prefill
+             attends the whole prompt once and each layer (head) keeps its
+             best-scoring tokens (SnapKV's prefill-time compression); then
+             decode steps evict one token per step.
+  streamed   where a one-pass prefill must fit the cache (h2o, positions=
+             'cache'), and for '@stream': `kvjax.prefill` of the first
+             `capacity` tokens, then `kvjax.decode_step` per remaining
+             prompt token, then greedy `decode_step`s. Every cache sees the
+             prompt as a stream, token by token, as in StreamingLLM and
+             H2O (decode-time eviction).
 
 Dimension alphabet (`kvjax.config`): B batch, T prompt length (a teacher-
 forced input: T + I - 1), I answer length (the tokens to generate), V vocab,
@@ -37,49 +46,87 @@ import time
 from collections.abc import Sequence
 
 from absl import logging
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 import kvjax
+from kvjax import cache as cache_lib
 from kvjax import data
+from kvjax import policies
 from kvjax.lab import tasks as tasks_lib
 
-_POLICY = re.compile(r"^(full|window|h2o|sinks(\d+))(?::(original|cache))?$")
-DEFAULT_POSITIONS = {"full": "original", "window": "original",
-                     "sinks": "cache", "h2o": "cache"}
+_SCORED = tuple(n for n, cls in policies.REGISTRY.items()
+                if issubclass(cls, policies.Scored))
+_POLICY = re.compile(r"^(full|window|sinks(\d+)|" + "|".join(_SCORED) +
+                     r")(?::(original|cache))?(@stream)?$")
+KV_FORMATS = cache_lib.KV_DTYPES + ("kivi",)
 
 
 @dataclasses.dataclass(frozen=True)
 class PolicySpec:
-  """A named cache policy; `at(capacity)` builds the `kvjax.CachePolicy`.
+  """A named cache policy and storage format; `at(capacity)` builds the
+  `kvjax.CachePolicy`.
 
   kind: 'full' (eviction none), 'window', 'sinks' (StreamingLLM: the first
-    `num_sinks` tokens and a recent window), 'h2o' (heavy hitters, half the
-    slots for the recent window as in the H2O paper's 20% = 10% + 10%).
+    `num_sinks` tokens and a recent window), or a scored policy of
+    `kvjax.policies` (h2o, tova, knorm, snapkv, pyramid, adakv, keydiff)
+    with its defaults and `recent` = half the slots (the H2O paper's
+    20 % = 10 % heavy + 10 % recent), the same for every scored policy so
+    that only the scores differ.
   positions: 'original' (keys rotated at their stream position) or 'cache'
-    (at their rank in the cache, StreamingLLM's choice). Defaults: window
-    and full 'original', sinks and h2o 'cache' (as `kvjax.lab.streaming`).
+    (at their rank in the cache, StreamingLLM's choice). Defaults: full,
+    window and per-layer/head policies 'original', sinks and global scored
+    policies 'cache' (as `kvjax.lab.streaming`).
+  kv_dtype: a `kvjax.cache.KV_DTYPES` storage dtype, or 'kivi' (int8 keys
+    per channel in groups of 32 tokens, values per token: KIVI; eviction
+    'none' only, so policy 'full').
+  stream: feed the prompt token by token through decode steps even where
+    the policy could compress it at prefill ('@stream' in the name): the
+    decode-time eviction to compare with prefill-time compression.
   """
 
   name: str
   kind: str
   num_sinks: int = 0
   positions: str = "original"
+  kv_dtype: str = "float32"
+  stream: bool = False
+
+  @property
+  def label(self) -> str:
+    """The policy name, with the storage format unless float32."""
+    return (self.name if self.kv_dtype == "float32" else
+            f"{self.name} [{self.kv_dtype}]")
+
+  def _storage(self) -> dict:
+    if self.kv_dtype == "kivi":
+      return dict(kv_dtype="int8", key_quant="channel")
+    return dict(kv_dtype=self.kv_dtype)
 
   def at(self, capacity: int) -> kvjax.CachePolicy:
+    store = self._storage()
     if self.kind == "full":
-      return kvjax.CachePolicy(positions=self.positions)
+      return kvjax.CachePolicy(positions=self.positions, **store)
     if self.kind == "window":
-      return kvjax.CachePolicy("window", positions=self.positions)
+      return kvjax.CachePolicy("window", positions=self.positions, **store)
     if self.kind == "sinks":
       return kvjax.CachePolicy("sinks", num_sinks=self.num_sinks,
-                               positions=self.positions)
-    return kvjax.CachePolicy("h2o", recent=max(capacity // 2, 1),
-                             positions=self.positions)
+                               positions=self.positions, **store)
+    return kvjax.CachePolicy(scored_policy(self.kind, capacity),
+                             positions=self.positions, **store)
+
+  def compresses(self, capacity: int, prompt_len: int) -> bool:
+    """Whether the prompt is compressed once at prefill (a per-layer/head
+    policy whose budget the prompt exceeds: SnapKV-style) rather than
+    evicted token by token."""
+    return (not self.stream and prompt_len > capacity and
+            self.kind not in ("full", "window", "sinks") and
+            policies.REGISTRY[self.kind]().scoped)
 
   def capacity(self, budget: float, prompt_len: int, answer_len: int) -> int:
-    """Cache slots for a prompt: the whole stream for 'full', else
-    ceil(budget × prompt_len).
+    """Cache slots for a prompt: the whole stream for 'full' (rounded up to
+    whole KIVI groups), else ceil(budget × prompt_len).
 
     Raises:
       ValueError: budget outside (0, 1], or a capacity the policy cannot
@@ -87,7 +134,7 @@ class PolicySpec:
     """
     check_budget(budget)
     if self.kind == "full":
-      return prompt_len + answer_len - 1
+      return self.at(1).round_capacity(prompt_len + answer_len - 1)
     capacity = max(1, math.ceil(budget * prompt_len))
     try:
       self.at(capacity).validate_capacity(capacity)
@@ -98,6 +145,18 @@ class PolicySpec:
     return capacity
 
 
+def scored_policy(kind: str, capacity: int) -> policies.Policy:
+  """A scored policy with `recent` = half the slots (its inner policy's
+  too, for the budget wrappers pyramid and adakv)."""
+  cls = policies.REGISTRY[kind]
+  recent = max(capacity // 2, 1)
+  fields = {f.name for f in dataclasses.fields(cls)}
+  opts = dict(recent=recent) if "recent" in fields else {}
+  if "inner" in fields:
+    opts["inner"] = dataclasses.replace(cls().inner, recent=recent)
+  return cls(**opts)
+
+
 def check_budget(budget: float) -> float:
   if (isinstance(budget, bool) or not isinstance(budget, (int, float)) or
       not 0.0 < float(budget) <= 1.0):
@@ -105,29 +164,49 @@ def check_budget(budget: float) -> float:
   return float(budget)
 
 
-def parse_policy(name: str) -> PolicySpec:
-  """'full', 'window', 'sinks<n>', 'h2o', optionally ':original'/':cache'.
+def parse_policy(name: str, kv_dtype: str = "float32") -> PolicySpec:
+  """'full', 'window', 'sinks<n>' or a scored policy's name (h2o, tova,
+  knorm, snapkv, ...), optionally ':original'/':cache' and '@stream'.
 
   Raises:
-    ValueError: an unknown name (the message lists the forms).
+    ValueError: an unknown name (the message lists the forms), an unknown
+      kv_dtype, or 'kivi' with an evicting policy.
   """
   m = _POLICY.match(name)
   if not m:
     raise ValueError(f"policy {name!r} is not one of full, window, sinks<n>, "
-                     "h2o (optionally ':original' or ':cache')")
+                     f"{', '.join(_SCORED)} (optionally ':original' or "
+                     "':cache', then '@stream')")
+  if kv_dtype not in KV_FORMATS:
+    raise ValueError(f"kv_dtype={kv_dtype!r} is not one of {KV_FORMATS}")
   kind = "sinks" if m.group(2) else m.group(1)
   sinks = int(m.group(2)) if m.group(2) else 0
   if kind == "sinks" and sinks < 1:
     raise ValueError(f"policy {name!r}: sinks<n> needs n >= 1")
+  if kv_dtype == "kivi" and kind != "full":
+    raise ValueError(f"kv_dtype='kivi' quantizes keys in groups of tokens "
+                     f"and needs policy 'full' (no eviction), got {name!r}")
+  if kind in ("full", "window"):
+    default = "original"
+  elif kind == "sinks":
+    default = "cache"
+  else:
+    default = "original" if policies.REGISTRY[kind]().scoped else "cache"
+  stream = bool(m.group(4))
+  if stream and kind in ("full", "window", "sinks"):
+    raise ValueError(f"policy {name!r}: '@stream' is for scored policies "
+                     "(the others already see the prompt as a stream)")
   return PolicySpec(name=name, kind=kind, num_sinks=sinks,
-                    positions=m.group(3) or DEFAULT_POSITIONS[kind])
+                    positions=m.group(3) or default, kv_dtype=kv_dtype,
+                    stream=stream)
 
 
 def one_pass(policy: kvjax.CachePolicy, capacity: int, prompt_len: int) -> bool:
   """Whether a `prompt_len`-token prompt may be prefilled in one call into
-  `capacity` slots: it fits, or the policy is a positional one (window,
-  sinks) that keeps original positions (see the module docstring)."""
-  return prompt_len <= capacity or (
+  `capacity` slots: it fits, the policy is a positional one (window,
+  sinks) that keeps original positions (see the module docstring), or a
+  per-layer/head one that compresses the prompt at prefill."""
+  return prompt_len <= capacity or policy.scoped or (
       policy.eviction in ("window", "sinks") and
       policy.positions == "original")
 
@@ -138,13 +217,14 @@ def _check_unpadded(attention_mask):
                      "of one length (no padding); batch by length")
 
 
-def _stream_prompt(params, config, tokens, policy, capacity, keep: int):
-  """Prefill of the first `capacity` tokens, then one decode_step per
-  remaining token. Returns (logits of the last `keep` positions [B, keep,
-  V], cache)."""
+def _stream_prompt(params, config, tokens, policy, capacity, keep: int,
+                   first: int | None = None):
+  """Prefill of the first `first` tokens (default: as many as fit), then
+  one decode_step per remaining token. Returns (logits of the last `keep`
+  positions [B, keep, V], cache)."""
   B, T = tokens.shape
   cache = kvjax.init_cache(config, B, capacity, policy=policy)
-  first = min(T, capacity)
+  first = min(T, capacity) if first is None else first
   logits, cache = kvjax.prefill(params, config, tokens[:, :first], cache,
                                 all_logits=True)
   out = [logits[:, max(0, first - keep):]]
@@ -206,15 +286,23 @@ def teacher_forced_logits(params, config, tokens, attention_mask,
   n = int(np.asarray(attention_mask).sum(axis=1).max())
   if stream is None:
     stream = not one_pass(policy, capacity, n)
+  keep = T if keep is None else keep
+  first = None
+  if not stream and policy.scoped and n > capacity:
+    # A compressing prefill attends the whole input before it keeps a
+    # subset: the answer positions would see the full prompt. Compress the
+    # prompt alone (up to the first scored position), then read the rest
+    # through decode steps.
+    _check_unpadded(attention_mask)
+    stream, first = True, T - keep + 1
   if not stream:
     cache = kvjax.init_cache(config, tokens.shape[0], capacity, policy=policy)
     logits, _ = kvjax.prefill(params, config, tokens, cache, attention_mask,
                               all_logits=True)
     return np.asarray(logits)
   _check_unpadded(attention_mask)
-  keep = T if keep is None else keep
   logits, _ = _stream_prompt(params, config, jnp.asarray(tokens), policy,
-                             capacity, keep)
+                             capacity, keep, first)
   full = np.zeros((tokens.shape[0], T, logits.shape[-1]), np.float32)
   full[:, T - keep:] = np.asarray(logits)
   return full
@@ -235,8 +323,9 @@ def evaluate(params, config, examples: Sequence[tasks_lib.Example],
       (`tasks.answer_loglik`) through the same cache.
   Returns:
     One record per example: task, length, depth, needle_depth, seed,
-    policy, budget, capacity, kv_bytes (cache bytes per sequence:
-    `kv_bytes_per_token` × capacity), exact, recall, predicted (text) and,
+    policy, kv_dtype, mode ('one pass', 'compressed' or 'streamed': see
+    the module docstring), budget, capacity, kv_bytes (`sequence_kv_bytes`),
+    exact, recall, predicted (text) and,
     with loglik, loglik / loglik_per_byte / token_accuracy / argmax_exact.
   Raises:
     ValueError: before any compute, for an unknown policy, a budget outside
@@ -254,8 +343,10 @@ def evaluate(params, config, examples: Sequence[tasks_lib.Example],
   for (T, I), group in sorted(by_length.items()):
     capacity = plans[(T, I)]
     cache_policy = spec.at(capacity)
-    kv_bytes = kvjax.kv_bytes_per_token(config, cache_policy.kv_dtype) * (
-        capacity)
+    kv_bytes = sequence_kv_bytes(config, cache_policy, capacity)
+    mode = ("streamed" if spec.stream or not one_pass(cache_policy, capacity,
+                                                      T) else
+            "compressed" if spec.compresses(capacity, T) else "one pass")
     t0 = time.perf_counter()
     # Equal batches, the last one topped up with copies whose scores are
     # dropped: one batch shape per group, so one compiled program.
@@ -269,19 +360,22 @@ def evaluate(params, config, examples: Sequence[tasks_lib.Example],
       def gen(tokens, mask, max_new, cache_policy=cache_policy,
               capacity=capacity):
         return generate_answers(params, config, tokens, mask, max_new,
-                                cache_policy, capacity)
+                                cache_policy, capacity,
+                                stream=True if spec.stream else None)
 
       scores = tasks_lib.score_generate(gen, batch)
       if loglik:
         def logits_fn(tokens, mask, cache_policy=cache_policy,
                       capacity=capacity):
           return teacher_forced_logits(params, config, tokens, mask,
-                                       cache_policy, capacity, keep=I)
+                                       cache_policy, capacity, keep=I,
+                                       stream=True if spec.stream else None)
         scores.update(tasks_lib.answer_loglik(logits_fn, batch))
       for b, e in enumerate(batch.examples[:real]):
         r = dict(task=e.task, length=T, depth=e.depth,
                  needle_depth=e.needle_depth, seed=e.seed, filler=e.filler,
-                 policy=spec.name, budget=float(budget), capacity=capacity,
+                 policy=spec.name, kv_dtype=spec.kv_dtype, mode=mode,
+                 budget=float(budget), capacity=capacity,
                  kv_bytes=float(kv_bytes),
                  exact=float(scores["exact"][b]),
                  recall=float(scores["recall"][b]),
@@ -291,11 +385,25 @@ def evaluate(params, config, examples: Sequence[tasks_lib.Example],
           if k in scores:
             r[k] = float(scores[k][b])
         records.append(r)
-    logging.info("%s budget %.3g, T=%d (S=%d): exact %.3f over %d (%.1f s)",
-                 spec.name, budget, T, capacity,
+    logging.info("%s budget %.3g, T=%d (S=%d, %s): exact %.3f over %d "
+                 "(%.1f s)", spec.label, budget, T, capacity, mode,
                  np.mean([r["exact"] for r in records[-len(group):]]),
                  len(group), time.perf_counter() - t0)
   return records
+
+
+def sequence_kv_bytes(config, policy: kvjax.CachePolicy,
+                      capacity: int) -> int:
+  """Bytes of K/V storage one sequence's cache holds at `capacity` slots:
+  payload and scales (`kvjax.cache_bytes` 'kv') plus KIVI's float32
+  residual group; no bookkeeping (positions, scores)."""
+  shapes = jax.eval_shape(
+      lambda: kvjax.init_cache(config, 1, capacity, policy=policy))
+  leaves = cache_lib._storage_leaves(shapes) + [  # pylint: disable=protected-access
+      getattr(shapes, f) for f in ("k_resid", "c_resid", "r_resid")
+      if getattr(shapes, f, None) is not None]
+  return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+             for x in leaves)
 
 
 def accuracy_grid(records: Sequence[dict], metric: str = "exact",
