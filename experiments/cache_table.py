@@ -18,6 +18,7 @@ import os
 
 from absl import flags
 
+from kvjax import cache as cache_lib
 from kvjax import cli
 from kvjax import configs
 from kvjax.lab import published
@@ -29,7 +30,7 @@ _PRESETS_FILE = flags.DEFINE_string(
         os.path.dirname(__file__), "..", "configs", "model.py")),
     "Config file whose PRESETS / get_config(preset) give the presets.")
 _KV_DTYPE = flags.DEFINE_enum(
-    "kv_dtype", "bfloat16", ["float32", "bfloat16", "float16", "int8"],
+    "kv_dtype", "bfloat16", list(cache_lib.KV_DTYPES),
     "Cache storage dtype for every row (the published models serve bf16).")
 _TOKENS = cli.DEFINE_int_list("tokens", [4096, 32768, 131072],
                               "Context lengths (cache slots per sequence).",

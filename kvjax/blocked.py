@@ -76,7 +76,7 @@ def supports(cache, attend: int, block: int = BLOCK) -> str | None:
     return "MLA's latent cache has no per-head keys"
   policy = cache.policy
   if policy.quantized:
-    return f"kv_dtype={policy.kv_dtype!r} (int8 scales are not blocked)"
+    return f"kv_dtype={policy.kv_dtype!r} (quantized scales are not blocked)"
   if policy.eviction != "none" or policy.positions != "original":
     return (f"eviction={policy.eviction!r}, positions={policy.positions!r} "
             "(needs 'none', 'original': the filled slots a prefix)")

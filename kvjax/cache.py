@@ -44,7 +44,8 @@ from kvjax.validate import check_int
 
 EVICTIONS = tuple(policies.REGISTRY)
 POSITION_MODES = ("original", "cache")
-KV_DTYPES = ("float32", "bfloat16", "float16", "int8")
+KV_DTYPES = ("float32", "bfloat16", "float16", "int8", "int4")
+QUANTIZED = ("int8", "int4")  # kv dtypes stored as codes and float32 scales
 KEY_QUANT = ("token", "channel")
 EMPTY = -1  # position stored in a slot that holds no token
 
@@ -87,7 +88,11 @@ class CachePolicy:
               MLA, at S = 1024 (WORKSPACE.md). With window eviction both
               modes are the same model (RoPE is relative). Policies scoped
               per layer or head need 'original'.
-  kv_dtype: storage dtype; int8 stores symmetric per-token-per-head scales.
+  kv_dtype: storage dtype; int8 and int4 store symmetric codes and one
+    float32 scale per token and head (MLA: per token and latent array).
+    int4 packs two codes a byte: the payload's last axis is H / 2 (MLA:
+    C / 2, R / 2), so those widths must be even (`init_cache` raises
+    naming the field; `kvjax.quant`).
   key_quant (int8 only):
     token    keys quantized like values: one scale per token and head.
     channel  KIVI (Liu et al. 2024): keys quantized per channel over groups
@@ -184,7 +189,7 @@ class CachePolicy:
 
   @property
   def quantized(self) -> bool:
-    return self.kv_dtype == "int8"
+    return self.kv_dtype in QUANTIZED
 
   @property
   def channel_keys(self) -> bool:
@@ -227,9 +232,11 @@ class CachePolicy:
 class KVCache:
   """Per-head keys and values: k, v [L, B, K, S, H].
 
-  k_scale, v_scale: int8 scales, [L, B, K, S] per token and head; None for
-  float caches. With key_quant='channel' (KIVI) k_scale is per channel and
-  group instead, [L, B, K, S / key_group, H], and
+  k, v are [L, B, K, S, H / 2] uint8 for int4 (two codes a byte:
+  `kvjax.quant`).
+  k_scale, v_scale: int8 / int4 scales, [L, B, K, S] per token and head;
+  None for float caches. With key_quant='channel' (KIVI) k_scale is per
+  channel and group instead, [L, B, K, S / key_group, H], and
   k_resid: [L, B, K, key_group, H] float32, the newest (incomplete) key
   group of each sequence in full precision (else None).
   scores: slot scores of a scored policy (`kvjax.policies`), [B, S] for
@@ -265,8 +272,10 @@ class KVCache:
 class LatentCache:
   """MLA's latent cache: c_kv [L, B, S, C], k_rope [L, B, S, R].
 
-  c_scale, r_scale: int8 scales [L, B, S] (None for float caches); with
-  key_quant='channel' (KIVI) per channel and group instead,
+  c_kv, k_rope are [L, B, S, C / 2], [L, B, S, R / 2] uint8 for int4 (two
+  codes a byte: `kvjax.quant`).
+  c_scale, r_scale: int8 / int4 scales [L, B, S] (None for float caches);
+  with key_quant='channel' (KIVI) per channel and group instead,
   [L, B, S / key_group, C] and [L, B, S / key_group, R], and
   c_resid [L, B, key_group, C], r_resid [L, B, key_group, R]: the newest
   group in float32 (else None).
@@ -313,12 +322,15 @@ def init_cache(config: ModelConfig, batch: int, capacity: int,
     config: the model.
     batch: B.
     capacity: S, slots per sequence.
-    dtype: storage dtype (float32, bfloat16, float16 or int8); overrides
-      `policy.kv_dtype` when given.
+    dtype: storage dtype (float32, bfloat16, float16, int8 or int4);
+      overrides `policy.kv_dtype` when given.
     policy: eviction / position / quantization policy (default: unbounded
       float32, i.e. eviction='none').
   Returns:
     KVCache (attention='gqa') or LatentCache (attention='mla').
+  Raises:
+    ValueError: a bad batch / capacity, or int4 with an odd head_dim
+      (MLA: kv_lora_rank, qk_rope_head_dim), naming the field.
   """
   policy = policy or CachePolicy()
   if dtype is not None:
@@ -342,8 +354,10 @@ def init_cache(config: ModelConfig, batch: int, capacity: int,
     scores = jnp.zeros((B, S), jnp.float32) if ev.scored else None
     budget = None
   q = policy.quantized
+  packed = lambda w, field: quant.packed_width(policy.kv_dtype, w, field)
   if config.attention == "mla":
     C, R = config.kv_lora_rank, config.qk_rope_head_dim
+    Cp, Rp = packed(C, "kv_lora_rank"), packed(R, "qk_rope_head_dim")
     extra = {}
     if policy.channel_keys:
       g = policy.key_group
@@ -355,11 +369,12 @@ def init_cache(config: ModelConfig, batch: int, capacity: int,
       extra = dict(c_scale=jnp.zeros((L, B, S), jnp.float32),
                    r_scale=jnp.zeros((L, B, S), jnp.float32))
     return LatentCache(
-        c_kv=jnp.zeros((L, B, S, C), store),
-        k_rope=jnp.zeros((L, B, S, R), store),
+        c_kv=jnp.zeros((L, B, S, Cp), store),
+        k_rope=jnp.zeros((L, B, S, Rp), store),
         positions=positions, length=length, scores=scores, policy=policy,
         errors=errors, budget=budget, **extra)
   K, H = config.num_kv_heads, config.head_dim
+  Hp = packed(H, "head_dim")
   k_scale = jnp.zeros((L, B, K, S), jnp.float32) if q else None
   k_resid = None
   if policy.channel_keys:
@@ -367,8 +382,8 @@ def init_cache(config: ModelConfig, batch: int, capacity: int,
     k_scale = jnp.zeros((L, B, K, S // g, H), jnp.float32)
     k_resid = jnp.zeros((L, B, K, g, H), jnp.float32)
   return KVCache(
-      k=jnp.zeros((L, B, K, S, H), store),
-      v=jnp.zeros((L, B, K, S, H), store),
+      k=jnp.zeros((L, B, K, S, Hp), store),
+      v=jnp.zeros((L, B, K, S, Hp), store),
       positions=positions, length=length,
       k_scale=k_scale,
       v_scale=jnp.zeros((L, B, K, S), jnp.float32) if q else None,
@@ -421,8 +436,10 @@ def kv_bytes_per_token(config: ModelConfig, dtype="float32", *,
                        key_group: int = 0) -> float:
   """Cache bytes one token of one sequence occupies, over all layers.
 
-  GQA: L × K × 2 × H × bytes; MLA: L × (C + R) × bytes. For int8 the
-  float32 scales are included: per token (and head), or with `key_group`
+  GQA: L × K × 2 × H × bytes; MLA: L × (C + R) × bytes, int4's bytes
+  being 1/2 (two codes a byte; H, or C and R, must then be even: else a
+  ValueError naming the field). For int8 and int4 the float32 scales are
+  included: per token (and head), or with `key_group`
   > 0 (KIVI per-channel keys) the value scales per token and the key scales
   per channel and group, 4 × K × H / key_group bytes per token (MLA: the
   latent's 4 × (C + R) / key_group; a float when that does not divide).
@@ -433,24 +450,29 @@ def kv_bytes_per_token(config: ModelConfig, dtype="float32", *,
   name = jnp.dtype(dtype).name if not isinstance(dtype, str) else dtype
   if name not in KV_DTYPES:
     raise ValueError(f"kv dtype {name!r} is not one of {KV_DTYPES}")
-  itemsize = jnp.dtype(name).itemsize
-  per_layer = config.kv_elements_per_token_per_layer * itemsize
+  width = lambda w, field: quant.packed_width(name, w, field)
+  # Storage elements per token and layer (int4: bytes of two codes each).
+  if config.attention == "mla":
+    elements = (width(config.kv_lora_rank, "kv_lora_rank") +
+                width(config.qk_rope_head_dim, "qk_rope_head_dim"))
+  else:
+    elements = 2 * config.num_kv_heads * width(config.head_dim, "head_dim")
+  per_layer = elements * quant.storage_dtype(name).itemsize
   if key_group and name != "int8":
     raise ValueError("key_group (KIVI per-channel keys) needs an int8 cache")
-  if name == "int8":
-    if key_group:
-      if config.attention == "mla":  # latent and rotary key, per channel
-        value_scales = 0
-        channels = config.kv_lora_rank + config.qk_rope_head_dim
-      else:  # values per token and head, keys per channel
-        value_scales = 4 * config.num_kv_heads
-        channels = config.num_kv_heads * config.head_dim
-      key_scales = 4 * channels / key_group
-      per_layer += value_scales + (int(key_scales) if key_scales.is_integer()
-                                   else key_scales)
-    else:
-      scales = 2 if config.attention == "mla" else 2 * config.num_kv_heads
-      per_layer += 4 * scales
+  if key_group:
+    if config.attention == "mla":  # latent and rotary key, per channel
+      value_scales = 0
+      channels = config.kv_lora_rank + config.qk_rope_head_dim
+    else:  # values per token and head, keys per channel
+      value_scales = 4 * config.num_kv_heads
+      channels = config.num_kv_heads * config.head_dim
+    key_scales = 4 * channels / key_group
+    per_layer += value_scales + (int(key_scales) if key_scales.is_integer()
+                                 else key_scales)
+  elif name in QUANTIZED:  # one float32 scale per token and head / array
+    scales = 2 if config.attention == "mla" else 2 * config.num_kv_heads
+    per_layer += 4 * scales
   return config.num_layers * per_layer
 
 

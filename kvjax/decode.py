@@ -145,7 +145,7 @@ def plan(params, config: ModelConfig, policy: cache_lib.CachePolicy,
   elif config.attention != "gqa":
     why = f"attention={config.attention!r} has no per-head keys"
   elif policy.quantized:
-    why = f"kv_dtype={policy.kv_dtype!r} (int8 scales are not blocked)"
+    why = f"kv_dtype={policy.kv_dtype!r} (quantized scales are not blocked)"
   elif not projections.is_packed(params):
     why = ("stacked layer params reach the cache by a traced layer index; "
            "per-layer arrays need the decode layout (`kvjax.pack`)")

@@ -24,6 +24,7 @@ from kvjax import errors
 from kvjax import model
 from kvjax import packed
 from kvjax import params as params_lib
+from kvjax import quant
 from kvjax.config import ModelConfig
 from kvjax.sampling import GREEDY, Sampler
 from kvjax.validate import check_int
@@ -141,13 +142,15 @@ def _check_cache(cache, config: ModelConfig, batch: int):
     raise ValueError(f"cache has {L} layers, config.num_layers is "
                      f"{config.num_layers}")
   # A cache built for another config fails deep inside the scatter otherwise.
+  # int4 stores two values per element of the last axis (`kvjax.quant`).
+  n = quant.values_per_element(cache.policy.kv_dtype)
   if config.attention == "mla":
-    dims = dict(kv_lora_rank=(cache.c_kv.shape[3], config.kv_lora_rank),
-                qk_rope_head_dim=(cache.k_rope.shape[3],
+    dims = dict(kv_lora_rank=(n * cache.c_kv.shape[3], config.kv_lora_rank),
+                qk_rope_head_dim=(n * cache.k_rope.shape[3],
                                   config.qk_rope_head_dim))
   else:
     dims = dict(num_kv_heads=(cache.k.shape[2], config.num_kv_heads),
-                head_dim=(cache.k.shape[4], config.head_dim))
+                head_dim=(n * cache.k.shape[4], config.head_dim))
   for field, (got, want) in dims.items():
     if got != want:
       raise ValueError(f"cache was built for {field}={got}, the config has "

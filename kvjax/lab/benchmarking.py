@@ -343,7 +343,7 @@ def decode_bytes_per_step(params, config: ModelConfig, batch: int,
 
 # ---- cache kinds compared by the benchmarks ---------------------------------
 KIVI_GROUP = 32  # KIVI's group size for per-channel keys
-CACHE_KINDS = ("float32", "bfloat16", "float16", "int8", "int8-kivi")
+CACHE_KINDS = ("float32", "bfloat16", "float16", "int8", "int4", "int8-kivi")
 
 
 def cache_policy(kind: str) -> cache_lib.CachePolicy:
@@ -611,7 +611,8 @@ def filled_cache(config: ModelConfig, batch: int, capacity: int, length: int,
                  policy: cache_lib.CachePolicy | None = None, seed: int = 0):
   """A cache that holds `length` tokens (positions 0..length-1) per sequence.
 
-  The payload is random (int8: random codes with positive scales): a decode
+  The payload is random (int8 / int4: random codes with positive scales;
+  int4's uint8 bytes hold two codes each, all 256 values valid): a decode
   step does the same work whatever the values, so timing at position
   `length` needs no prefill of `length` tokens.
   """
@@ -632,6 +633,9 @@ def filled_cache(config: ModelConfig, batch: int, capacity: int, length: int,
     elif x.dtype == jnp.int8:
       out.append(jax.random.randint(k, x.shape, -127, 128, jnp.int32).astype(
           jnp.int8))
+    elif x.dtype == quant.INT4_PAIRS:
+      out.append(jax.random.randint(k, x.shape, 0, 256, jnp.int32).astype(
+          jnp.uint8))
     elif x.dtype == quant.BF16_BITS:  # bfloat16 caches store the bits
       out.append(jax.lax.bitcast_convert_type(
           jax.random.normal(k, x.shape, jnp.bfloat16), jnp.uint16))
