@@ -31,7 +31,8 @@ SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "experiments", "*.py")))
 CLI_SCRIPTS = sorted(
     os.path.join(ROOT, "experiments", f"{name}.py") for name in (
         "ablate", "attention_map", "benchmark", "cache_table",
-        "decode_layout", "error_check_cost", "generate", "memory_growth",
+        "decode_layout", "error_check_cost", "explain", "generate",
+        "memory_growth",
         "peer_benchmark", "prefill_scaling", "serve", "streaming_eval",
         "task_eval", "train", "train_speed"))
 
