@@ -7,8 +7,10 @@ r"""Prefill throughput against prompt length, and what a long prefill holds.
 Times the jitted prefill (`kvjax.prefill`'s body, the default params
 layout) of --batch prompts of each length into a fresh cache
 (`benchmarking.prefill_scaling`: medians of --repeats) and reads XLA's
-memory analysis of the prefills at --memory_lengths (compiled from shapes
-only). Prints tokens/s per length relative to the shortest; writes
+memory analysis of the prefills at --memory_lengths with dense and with
+tiled attention (`kvjax.flash`; compiled from shapes only), and times both
+paths side by side at --path_lengths (what sets `flash.MIN_PAIRS`). Prints
+tokens/s per length relative to the shortest; writes
 prefill_scaling.json (with the CPU model) and prefill_scaling.png to
 --workdir.
 """
@@ -38,6 +40,10 @@ _LENGTHS = cli.DEFINE_int_list("lengths", [128, 512, 1024, 2048, 4096],
 _MEMORY = cli.DEFINE_int_list("memory_lengths", [4096, 32768],
                               "Prompt lengths whose memory is analysed.",
                               lower_bound=1, allow_empty=True)
+_PATHS = cli.DEFINE_int_list(
+    "path_lengths", [1024, 2048, 4096, 8192],
+    "Prompt lengths whose prefill runs with dense and with tiled attention "
+    "side by side (alternating rounds).", lower_bound=1, allow_empty=True)
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed prefills per length.",
                                 lower_bound=1)
 
@@ -46,14 +52,18 @@ def main(argv):
   del argv
   cfg = _CONFIG.value
   config = configs.model_config(cfg.model)
-  longest = max(_LENGTHS.value + _MEMORY.value)
+  longest = max(_LENGTHS.value + _MEMORY.value + _PATHS.value)
   if longest > config.max_seq_len:
     config = kvjax.ModelConfig.from_dict(
         dict(config.to_dict(), max_seq_len=longest))
   params = kvjax.init_params(config, jax.random.key(0))
   out = bm.prefill_scaling(params, config, _BATCH.value, _LENGTHS.value,
                            _MEMORY.value, repeats=_REPEATS.value)
-  out.update(preset=cfg.preset, host=bm.machine_info())
+  out["paths"] = [dict(length=n, **bm.prefill_paths(
+      params, config, _BATCH.value, n, repeats=_REPEATS.value))
+                  for n in _PATHS.value]
+  out.update(preset=cfg.preset, host=bm.machine_info(),
+             revision=bm.revision(os.path.dirname(os.path.abspath(__file__))))
   os.makedirs(_WORKDIR.value, exist_ok=True)
   out["figure"] = bm.plot_prefill(
       out, f"{cfg.preset} prefill, {bm.cpu_model()}",
@@ -64,10 +74,15 @@ def main(argv):
   for r in out["rows"]:
     print(f"  {r['length']:>6} tokens: {r['tokens_per_s']:8.1f} tok/s "
           f"({r['relative']:.2f} of {out['rows'][0]['length']})")
+  for p in out["paths"]:
+    d, t = p["dense"], p["tiled"]
+    ratio = t["tokens_per_s"] / d["tokens_per_s"]
+    print(f"  {p['length']:>6} tokens: dense {d['tokens_per_s']:8.1f} tok/s, "
+          f"tiled {t['tokens_per_s']:8.1f} tok/s ({ratio:.2f}x; default: "
+          f"{p['chosen']})")
   for m in out["memory"]:
-    print(f"  {m['length']:>6} tokens: temporaries "
-          f"{m['temporaries'] / 2**20:.0f} MiB, peak {m['peak'] / 2**20:.0f} "
-          "MiB (XLA memory analysis)")
+    print(f"  {m['length']:>6} tokens, {m['path']:>5}: temporaries "
+          f"{m['temporaries'] / 2**20:.0f} MiB (XLA memory analysis)")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from kvjax import cache as cache_lib
+from kvjax import flash
 from kvjax import kivi
 from kvjax import projections
 from kvjax import quant
@@ -50,6 +51,10 @@ class Step:
   slots: [B, T] cache slot each new token is written to (S = not written);
     a scoped decode step has [L, B, K'] (`layer_slots`); a scoped prefill
     None (each layer chooses what it keeps).
+  k_pos, visibility (prefill and extend): the keys' stream positions
+    [B, S'] and the static rule (`flash.Visibility`) that `mask` was
+    built from, so that a long call can rebuild its mask tile by tile
+    (`kvjax.flash`) instead of reading the [B, T, S'] one; None elsewhere.
   attend (static, decode only): attend over the first `attend` slots only
     (0: all S). With eviction 'none' the filled slots are a prefix, so a
     decode loop that knows an upper bound of the lengths reads (and
@@ -64,6 +69,9 @@ class Step:
   slots: jax.Array | None = None
   cos_k: jax.Array | None = None
   sin_k: jax.Array | None = None
+  k_pos: jax.Array | None = None
+  visibility: flash.Visibility | None = struct.field(pytree_node=False,
+                                                     default=None)
   mode: str = struct.field(pytree_node=False, default="forward")
   want_scores: bool = struct.field(pytree_node=False, default=False)
   attend: int = struct.field(pytree_node=False, default=0)
@@ -88,6 +96,13 @@ def layer_mask(step: Step, layer):
   if step.mask.ndim == 5:  # [L, B, K', T, S]: a scoped decode step
     return step.mask[layer]
   return step.mask[:, None]
+
+
+def tiled(step: Step, T: int, S: int, need_probs: bool, impl: str) -> bool:
+  """Whether this prompt call's attention runs in tiles (`kvjax.flash`):
+  a long prefill or extend whose probabilities nobody reads."""
+  return (step.visibility is not None and
+          flash.use_tiles(T, S, need_probs, impl))
 
 
 def layer_slots(step: Step, layer):
@@ -429,8 +444,17 @@ def gqa_attention(p, x_BTD, step: Step, cache, layer, config: ModelConfig):
       cache = write_kv(cache, layer, step.slots, k_store_BTKH, v_BTKH,
                        fresh=step.mode == "prefill")
 
-  out_BTKGH, probs = attend_fn(q_BTKGH, k_BKSH, v_BKSH, mask_BKTS,
-                               config.softmax_scale, config.attention_impl)
+  need_probs = (compress or step.want_scores or
+                isinstance(cache, ProbeRecord))
+  if step.mode != "decode" and tiled(step, T, k_BKSH.shape[2], need_probs,
+                                     config.attention_impl):
+    out_BTKGH = flash.attend(q_BTKGH, k_BKSH, v_BKSH, step.q_pos,
+                             step.k_pos, step.visibility,
+                             config.softmax_scale)
+    probs = None
+  else:
+    out_BTKGH, probs = attend_fn(q_BTKGH, k_BKSH, v_BKSH, mask_BKTS,
+                                 config.softmax_scale, config.attention_impl)
   if compress:
     # Every layer sees the whole prompt; it keeps what its policy chooses.
     idx_BKS, cache = compress_prompt(cache, probs, k_BKSH, mask_BKTS, step,

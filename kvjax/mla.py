@@ -20,13 +20,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kvjax import flash
 from kvjax import kivi
 from kvjax import projections
 from kvjax import quant
 from kvjax.attention import (DecodeCache, ProbeRecord, Step, compress_prompt,
                              decode_cache, layer_mask, layer_slots,
                              observe_scores, query_tiles,
-                             register_decode_cache)
+                             register_decode_cache, tiled)
 from kvjax.cache import LatentCache, scatter_tokens
 from kvjax.config import ModelConfig
 from kvjax.layers import apply_rope, rms_norm
@@ -136,6 +137,29 @@ def latent_attend(p, q_nope_BTNP, q_rope_BTNR, c_BSC, r_BSR, mask_B1TS,
   return out_BTNO.astype(dtype), probs_BNTS
 
 
+def tiled_expanded(p, q_nope_BTNP, q_rope_BTNR, c_BSC, r_BSR, step: Step,
+                   scale: float):
+  """A long prompt call's attention in tiles (`kvjax.flash`): the latents
+  expanded to per-head keys [k_nope | k_rope] and values, each head its
+  own kv head (K = N, G = 1).
+
+  Returns:
+    out_BTNO.
+  """
+  k_nope_BSNP, v_BSNO = projections.expand_kv(p, c_BSC)
+  B, S, N, _ = k_nope_BSNP.shape
+  R = r_BSR.shape[-1]
+  q_BTN1H = jnp.concatenate([q_nope_BTNP, q_rope_BTNR], axis=-1)[:, :, :,
+                                                                 None]
+  k_BSNH = jnp.concatenate(
+      [k_nope_BSNP, jnp.broadcast_to(r_BSR[:, :, None], (B, S, N, R))],
+      axis=-1)
+  out_BTN1O = flash.attend(q_BTN1H, jnp.swapaxes(k_BSNH, 1, 2),
+                           jnp.swapaxes(v_BSNO, 1, 2), step.q_pos,
+                           step.k_pos, step.visibility, scale)
+  return out_BTN1O[:, :, :, 0]
+
+
 def mla_attention(p, x_BTD, step: Step, cache, layer, config: ModelConfig):
   """One MLA layer; same contract as `kvjax.attention.gqa_attention`.
 
@@ -188,9 +212,17 @@ def mla_attention(p, x_BTD, step: Step, cache, layer, config: ModelConfig):
                            fresh=step.mode == "prefill")
 
   mask_B1TS = layer_mask(step, layer)
-  out_BTNO, probs_BNTS = latent_attend(p, q_nope_BTNP, q_rope_BTNR, c_BSC,
-                                       r_BSR, mask_B1TS,
-                                       config.softmax_scale, path)
+  need_probs = (compress or step.want_scores or
+                isinstance(cache, ProbeRecord))
+  if step.mode != "decode" and tiled(step, T, c_BSC.shape[1], need_probs,
+                                     "einsum"):
+    out_BTNO, probs_BNTS = tiled_expanded(p, q_nope_BTNP, q_rope_BTNR, c_BSC,
+                                          r_BSR, step,
+                                          config.softmax_scale), None
+  else:
+    out_BTNO, probs_BNTS = latent_attend(p, q_nope_BTNP, q_rope_BTNR, c_BSC,
+                                         r_BSR, mask_B1TS,
+                                         config.softmax_scale, path)
   if isinstance(cache, ProbeRecord):
     cache = cache.record(layer, probs_BNTS)
   elif cache is not None and (compress or step.want_scores):

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from kvjax import cache as cache_lib
 from kvjax import errors
+from kvjax import flash
 from kvjax import moe as moe_lib
 from kvjax import params as params_lib
 from kvjax import projections
@@ -124,15 +125,16 @@ def prefill_step(config: ModelConfig, attention_mask_BT, cache) -> Step:
   policy, S = cache.policy, cache.capacity
   q_pos = stream_positions(attention_mask_BT)
   total_B = jnp.sum(attention_mask_BT, axis=1)
-  mask = _causal(q_pos, q_pos, config)
-  mask &= cache_lib.visible(policy, S, q_pos[:, :, None], q_pos[:, None, :])
+  visibility = flash.Visibility(config.sliding_window, policy, S)
+  mask = visibility.mask(q_pos, q_pos)
   keep = (q_pos >= 0) & cache_lib.kept_after(policy, S, q_pos,
                                              total_B[:, None])
   slots = jnp.where(keep, cache_lib.slot_of(policy, S, q_pos), S)
   cos, sin = _rope(config, q_pos)
   check_scores_available(config, policy)
   return Step(q_pos=q_pos, mask=mask, cos_q=cos, sin_q=sin,
-              slots=slots.astype(jnp.int32), mode="prefill",
+              slots=slots.astype(jnp.int32), k_pos=q_pos,
+              visibility=visibility, mode="prefill",
               want_scores=policy.scored)
 
 
@@ -142,14 +144,15 @@ def extend_step(config: ModelConfig, attention_mask_BT, cache) -> Step:
   q_pos = stream_positions(attention_mask_BT, cache.length)
   total_B = cache.length + jnp.sum(attention_mask_BT, axis=1)
   k_pos = jnp.concatenate([cache.positions, q_pos], axis=1)
-  mask = _causal(q_pos, k_pos, config)
-  mask &= cache_lib.visible(policy, S, q_pos[:, :, None], k_pos[:, None, :])
+  visibility = flash.Visibility(config.sliding_window, policy, S)
+  mask = visibility.mask(q_pos, k_pos)
   keep = (q_pos >= 0) & cache_lib.kept_after(policy, S, q_pos,
                                              total_B[:, None])
   slots = jnp.where(keep, cache_lib.slot_of(policy, S, q_pos), S)
   cos, sin = _rope(config, q_pos)
   return Step(q_pos=q_pos, mask=mask, cos_q=cos, sin_q=sin,
-              slots=slots.astype(jnp.int32), mode="extend")
+              slots=slots.astype(jnp.int32), k_pos=k_pos,
+              visibility=visibility, mode="extend")
 
 
 def check_scores_available(config: ModelConfig, policy) -> None:

@@ -135,7 +135,8 @@ class PrefillScalingTest(absltest.TestCase):
           [sys.executable, os.path.join(ROOT, "experiments",
                                         "prefill_scaling.py"),
            "--config=configs/model.py:gqa-tiny", "--lengths=16,64",
-           "--memory_lengths=64,512", "--repeats=1", f"--workdir={tmp}"],
+           "--memory_lengths=64,4096", "--path_lengths=64", "--repeats=1",
+           f"--workdir={tmp}"],
           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
       self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
       with open(os.path.join(tmp, "prefill_scaling.json")) as f:
@@ -147,10 +148,20 @@ class PrefillScalingTest(absltest.TestCase):
     for r in out["rows"]:
       assert_close(r["tokens_per_s"], r["length"] / r["prefill_s"],
                    compute="float64")
-    short, long = out["memory"]
-    self.assertEqual((short["length"], long["length"]), (64, 512))
-    # The 512-token cache alone is 8x the 64-token one: memory grows.
-    self.assertGreater(long["arguments"], short["arguments"])
+    memory = {(m["length"], m["path"]): m for m in out["memory"]}
+    self.assertEqual(sorted(memory), [(64, "dense"), (64, "tiled"),
+                                      (4096, "dense"), (4096, "tiled")])
+    # The 4096-token cache alone is 64x the 64-token one: memory grows.
+    self.assertGreater(memory[4096, "dense"]["arguments"],
+                       memory[64, "dense"]["arguments"])
+    # Tiles never hold a 4096 x 4096 score block: less temporary memory.
+    self.assertLess(memory[4096, "tiled"]["temporaries"],
+                    memory[4096, "dense"]["temporaries"])
+    (paths,) = out["paths"]
+    self.assertEqual(paths["length"], 64)
+    for name in ("dense", "tiled"):
+      assert_close(paths[name]["tokens_per_s"], 64 / paths[name]["prefill_s"],
+                   compute="float64")
     self.assertIn("cpu", out["host"])
     self.assertIn("64 tokens:", proc.stdout)
 

@@ -474,11 +474,13 @@ def executables_rss_bytes() -> int:
   return max(0, before - current_rss_bytes())
 
 
-def compiled_memory(lowered) -> dict[str, int]:
-  """XLA's memory analysis of a lowered program (device-agnostic): the
-  bytes of its arguments, outputs, temporaries, donated aliases and the
-  peak its buffer assignment needs."""
-  ma = lowered.compile().memory_analysis()
+def compiled_memory(program) -> dict[str, int]:
+  """XLA's memory analysis of a lowered (or compiled) program (device-
+  agnostic): the bytes of its arguments, outputs, temporaries, donated
+  aliases and the peak its buffer assignment needs."""
+  if hasattr(program, "compile"):  # lowered, not yet compiled
+    program = program.compile()
+  ma = program.memory_analysis()
   if ma is None:
     raise ValueError("this backend gives no memory analysis")
   return dict(arguments=ma.argument_size_in_bytes,
@@ -836,16 +838,85 @@ def prefill_seconds(params, config: ModelConfig, batch: int, length: int, *,
 
 
 def prefill_memory(params, config: ModelConfig, batch: int,
-                   length: int) -> dict[str, int]:
+                   length: int, *, path: str | None = None) -> dict[str, int]:
   """XLA's memory analysis of the jitted prefill of [batch, length] into a
-  fresh cache (lowered from shapes only: nothing is allocated or run)."""
-  from kvjax import inference  # pylint: disable=g-import-not-at-top
+  fresh cache (lowered from shapes only: nothing is allocated or run).
+
+  path: None (what `flash.use_tiles` chooses), 'dense' or 'tiled' (the
+  attention forced to one path while the program is traced).
+  """
+  from kvjax import model  # pylint: disable=g-import-not-at-top
   params = packed.for_decode(params, config)
   cache = jax.eval_shape(lambda: cache_lib.init_cache(config, batch, length))
   tokens = jax.ShapeDtypeStruct((batch, length), jnp.int32)
   mask = jax.ShapeDtypeStruct((batch, length), jnp.bool_)
-  return compiled_memory(inference._prefill.lower(  # pylint: disable=protected-access
-      params, config, tokens, mask, cache, False))
+  with _attention_path(path):
+    # A fresh function: traces are cached per function object, so the
+    # forced path would otherwise be ignored for a shape seen before.
+    lowered = jax.jit(lambda p, t, m, c: model.prefill_logits(
+        p, config, t, m, c, False), donate_argnums=3).lower(
+            params, tokens, mask, cache)
+  return compiled_memory(lowered)
+
+
+@contextlib.contextmanager
+def _attention_path(path: str | None):
+  """Forces prompt attention dense or tiled (`kvjax.flash`) while a
+  program is traced inside the block; None leaves the default."""
+  from kvjax import flash  # pylint: disable=g-import-not-at-top
+  if path not in (None, "dense", "tiled"):
+    raise ValueError(f"path={path!r} is not None, 'dense' or 'tiled'")
+  default = flash.MIN_PAIRS
+  if path is not None:
+    flash.MIN_PAIRS = 0 if path == "tiled" else float("inf")
+  try:
+    yield
+  finally:
+    flash.MIN_PAIRS = default
+
+
+def prefill_paths(params, config: ModelConfig, batch: int, length: int, *,
+                  repeats: int = 3) -> dict[str, Any]:
+  """The prefill of [batch, length] with its attention dense (every score
+  of a query tile at once: `attention.attend`) and in tiles with an online
+  softmax (`kvjax.flash`), timed in alternating rounds, whatever
+  `flash.MIN_PAIRS` would choose; with XLA's memory analysis of each.
+
+  Returns:
+    {'dense': {...}, 'tiled': {...}}: seconds (median, timing) and memory
+    (`compiled_memory`) per path, and 'chosen': the path `flash.use_tiles`
+    takes at this length.
+  """
+  from kvjax import flash  # pylint: disable=g-import-not-at-top
+  from kvjax import model  # pylint: disable=g-import-not-at-top
+  tokens = jax.random.randint(jax.random.key(0), (batch, length), 0,
+                              config.vocab_size)
+  mask = jnp.ones((batch, length), bool)
+  params = packed.for_decode(params, config)
+  compiled, memory = {}, {}
+  for name in ("dense", "tiled"):
+    with _attention_path(name):
+      fn = jax.jit(lambda p, t, m, c: model.prefill_logits(p, config, t, m, c,
+                                                           False),
+                   donate_argnums=3)
+      compiled[name] = fn.lower(params, tokens, mask, cache_lib.init_cache(
+          config, batch, length)).compile()
+    memory[name] = compiled_memory(compiled[name])
+
+  def runner(name):
+    def run():
+      cache = cache_lib.init_cache(config, batch, length)
+      return compiled[name](params, tokens, mask, cache)[0]
+    return run
+
+  timed = time_alternating({n: runner(n) for n in compiled}, repeats=repeats)
+  out = {n: dict(prefill_s=timed[n].median, tokens_per_s=batch * length /
+                 timed[n].median, timing=timed[n].to_dict(),
+                 memory=memory[n]) for n in compiled}
+  out["chosen"] = ("tiled" if flash.use_tiles(length, length, False,
+                                              config.attention_impl)
+                   else "dense")
+  return out
 
 
 def prefill_scaling(params, config: ModelConfig, batch: int, lengths,
@@ -855,7 +926,8 @@ def prefill_scaling(params, config: ModelConfig, batch: int, lengths,
 
   Returns:
     rows: per length, prefill seconds, tokens/s and tokens/s relative to
-      the first length; memory: per memory length, `prefill_memory`.
+      the first length (the default path); memory: per memory length and
+      attention path ('dense', 'tiled'), `prefill_memory`.
   """
   rows = []
   for n in lengths:
@@ -865,8 +937,9 @@ def prefill_scaling(params, config: ModelConfig, batch: int, lengths,
                      timing=t["timing"]))
   for r in rows:
     r["relative"] = r["tokens_per_s"] / rows[0]["tokens_per_s"]
-  memory = [dict(length=n, **prefill_memory(params, config, batch, n))
-            for n in memory_lengths]
+  memory = [dict(length=n, path=path,
+                 **prefill_memory(params, config, batch, n, path=path))
+            for n in memory_lengths for path in ("dense", "tiled")]
   return dict(batch=batch, rows=rows, memory=memory)
 
 
