@@ -7,9 +7,9 @@ attention probabilities are not needed (no scored policy observing them,
 no probe): `use_tiles` decides. The dense path (`attention.attend`) keeps
 every other call: training (its gradient), decode, short prompts.
 
-Per query tile [t0, t0 + C) (the queries are the last T of the S' keys)
+Per query tile [t0, t0 + T') (the queries are the last T of the S' keys)
 only the key tiles a causal mask can show are read (up to key S' - T +
-t0 + C), in a `lax.while_loop`, keeping per query row the running maximum
+t0 + T'), in a `lax.while_loop`, keeping per query row the running maximum
 m, the running sum l of exp(logit - m) and the running weighted sum of
 values:
 
@@ -21,7 +21,8 @@ returns 0.
 
 Dimension alphabet (`kvjax.config`): B batch, T queries, S' keys, K kv
 heads, G query heads per kv head, H query/key head dim, O value head dim
-(H for GQA), C query tile, E key tile.
+(H for GQA), X slots per key tile (a key block), T' queries per query tile
+(written t in names; q = G·T', a tile's query rows).
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ import jax.numpy as jnp
 
 from kvjax import cache as cache_lib
 
-QUERY_TILE = 256  # C
-KEY_TILE = 512  # E
+QUERY_TILE = 256  # T'
+KEY_TILE = 512  # X
 # Below this many (query, key) pairs per call the dense path's [T, S']
 # scores are small and its few large products are faster (WORKSPACE.md,
 # experiments/prefill_scaling.py).
@@ -91,64 +92,64 @@ def attend(q_BTKGH, k_BKSH, v_BKSO, q_pos_BT, k_pos_BS,
     q_pos_BT, k_pos_BS: stream positions (-1: padding / empty slot).
     visibility: the mask, as a function of positions.
     scale: softmax scale.
-    query_tile, key_tile: C and E.
+    query_tile, key_tile: T' and X.
   Returns:
     out_BTKGO in q's dtype (0 for rows with no visible key).
   """
   B, T, K, G, H = q_BTKGH.shape
   S, O = k_BKSH.shape[2], v_BKSO.shape[-1]
-  C, E = min(query_tile, T), key_tile
+  t, X = min(query_tile, T), key_tile
   f32 = jnp.float32
   big_neg = jnp.finfo(f32).min
   # Pad queries to whole tiles (position -1: they see nothing) and keys to
   # whole tiles (position -1: never visible).
-  q_BTKGH = _pad_to(q_BTKGH, 1, C, 0)
-  q_pos_BT = _pad_to(q_pos_BT, 1, C, cache_lib.EMPTY)
-  k_BKSH = _pad_to(k_BKSH, 2, E, 0)
-  v_BKSO = _pad_to(v_BKSO, 2, E, 0)
-  k_pos_BS = _pad_to(k_pos_BS, 1, E, cache_lib.EMPTY)
-  nq = q_BTKGH.shape[1] // C
-  # [nq, B, K, G·C, H]: each tile's queries as rows of one product per
+  q_BTKGH = _pad_to(q_BTKGH, 1, t, 0)
+  q_pos_BT = _pad_to(q_pos_BT, 1, t, cache_lib.EMPTY)
+  k_BKSH = _pad_to(k_BKSH, 2, X, 0)
+  v_BKSO = _pad_to(v_BKSO, 2, X, 0)
+  k_pos_BS = _pad_to(k_pos_BS, 1, X, cache_lib.EMPTY)
+  nq = q_BTKGH.shape[1] // t
+  # [nq, B, K, G·T', H]: each tile's queries as rows of one product per
   # (B, K), as `attention.attend` lays them out.
-  q_tiles = jnp.transpose(q_BTKGH.reshape(B, nq, C, K, G, H),
-                          (1, 0, 3, 4, 2, 5)).reshape(nq, B, K, G * C, H)
-  q_pos_tiles = jnp.swapaxes(q_pos_BT.reshape(B, nq, C), 0, 1)
+  q_tiles = jnp.transpose(q_BTKGH.reshape(B, nq, t, K, G, H),
+                          (1, 0, 3, 4, 2, 5)).reshape(nq, B, K, G * t, H)
+  q_pos_tiles = jnp.swapaxes(q_pos_BT.reshape(B, nq, t), 0, 1)
 
-  def query_tile_out(i, q_BKQH, q_pos_BC):
-    # Keys a causal mask can show this tile: below S - T + (i + 1) C.
-    n_keys = jnp.minimum(S - T + (i + 1) * C, S)
-    n_key_tiles = (n_keys + E - 1) // E
+  def query_tile_out(i, q_BKqH, q_pos_Bt):
+    # Keys a causal mask can show this tile: below S - T + (i + 1) T'.
+    n_keys = jnp.minimum(S - T + (i + 1) * t, S)
+    n_key_tiles = (n_keys + X - 1) // X
 
     def body(j, carry):
-      m_BKGC, l_BKGC, acc_BKGCO = carry
-      k_BKEH = jax.lax.dynamic_slice_in_dim(k_BKSH, j * E, E, axis=2)
-      v_BKEO = jax.lax.dynamic_slice_in_dim(v_BKSO, j * E, E, axis=2)
-      k_pos_BE = jax.lax.dynamic_slice_in_dim(k_pos_BS, j * E, E, axis=1)
-      s_BKGCE = jnp.einsum("BKQH,BKEH->BKQE", q_BKQH, k_BKEH,
+      m_BKGt, l_BKGt, acc_BKGtO = carry
+      k_BKXH = jax.lax.dynamic_slice_in_dim(k_BKSH, j * X, X, axis=2)
+      v_BKXO = jax.lax.dynamic_slice_in_dim(v_BKSO, j * X, X, axis=2)
+      k_pos_BX = jax.lax.dynamic_slice_in_dim(k_pos_BS, j * X, X, axis=1)
+      s_BKGtX = jnp.einsum("BKqH,BKXH->BKqX", q_BKqH, k_BKXH,
                            preferred_element_type=f32).reshape(
-                               B, K, G, C, E) * scale
-      ok_B11CE = visibility.mask(q_pos_BC, k_pos_BE)[:, None, None]
-      s_BKGCE = jnp.where(ok_B11CE, s_BKGCE, big_neg)
-      m_new = jnp.maximum(m_BKGC, jnp.max(s_BKGCE, axis=-1))
-      p_BKGCE = jnp.where(ok_B11CE, jnp.exp(s_BKGCE - m_new[..., None]), 0.0)
-      rescale = jnp.exp(m_BKGC - m_new)
-      pv_BKQO = jnp.einsum("BKQE,BKEO->BKQO",
-                           p_BKGCE.reshape(B, K, G * C, E).astype(
-                               v_BKEO.dtype), v_BKEO,
+                               B, K, G, t, X) * scale
+      ok_B11tX = visibility.mask(q_pos_Bt, k_pos_BX)[:, None, None]
+      s_BKGtX = jnp.where(ok_B11tX, s_BKGtX, big_neg)
+      m_new = jnp.maximum(m_BKGt, jnp.max(s_BKGtX, axis=-1))
+      p_BKGtX = jnp.where(ok_B11tX, jnp.exp(s_BKGtX - m_new[..., None]), 0.0)
+      rescale = jnp.exp(m_BKGt - m_new)
+      pv_BKqO = jnp.einsum("BKqX,BKXO->BKqO",
+                           p_BKGtX.reshape(B, K, G * t, X).astype(
+                               v_BKXO.dtype), v_BKXO,
                            preferred_element_type=f32)
-      acc = acc_BKGCO * rescale[..., None] + pv_BKQO.reshape(B, K, G, C, O)
-      return m_new, l_BKGC * rescale + jnp.sum(p_BKGCE, axis=-1), acc
+      acc = acc_BKGtO * rescale[..., None] + pv_BKqO.reshape(B, K, G, t, O)
+      return m_new, l_BKGt * rescale + jnp.sum(p_BKGtX, axis=-1), acc
 
-    init = (jnp.full((B, K, G, C), big_neg, f32), jnp.zeros((B, K, G, C), f32),
-            jnp.zeros((B, K, G, C, O), f32))
-    _, l_BKGC, acc_BKGCO = jax.lax.fori_loop(0, n_key_tiles, body, init)
-    out_BKGCO = acc_BKGCO / jnp.where(l_BKGC > 0, l_BKGC, 1.0)[..., None]
-    return jnp.transpose(out_BKGCO, (0, 3, 1, 2, 4))  # [B, C, K, G, O]
+    init = (jnp.full((B, K, G, t), big_neg, f32), jnp.zeros((B, K, G, t), f32),
+            jnp.zeros((B, K, G, t, O), f32))
+    _, l_BKGt, acc_BKGtO = jax.lax.fori_loop(0, n_key_tiles, body, init)
+    out_BKGtO = acc_BKGtO / jnp.where(l_BKGt > 0, l_BKGt, 1.0)[..., None]
+    return jnp.transpose(out_BKGtO, (0, 3, 1, 2, 4))  # [B, T', K, G, O]
 
   def scan_body(_, xs):
     return None, query_tile_out(*xs)
 
-  _, out_nBCKGO = jax.lax.scan(
+  _, out_nBtKGO = jax.lax.scan(
       scan_body, None, (jnp.arange(nq), q_tiles, q_pos_tiles))
-  out_BTKGO = jnp.swapaxes(out_nBCKGO, 0, 1).reshape(B, nq * C, K, G, O)
+  out_BTKGO = jnp.swapaxes(out_nBtKGO, 0, 1).reshape(B, nq * t, K, G, O)
   return out_BTKGO[:, :T].astype(q_BTKGH.dtype)
