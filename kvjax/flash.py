@@ -37,9 +37,11 @@ from kvjax import cache as cache_lib
 QUERY_TILE = 256  # T'
 KEY_TILE = 512  # X
 # Below this many (query, key) pairs per call the dense path's [T, S']
-# scores are small and its few large products are faster (WORKSPACE.md,
-# experiments/prefill_scaling.py).
-MIN_PAIRS = 2048 * 2048
+# scores are small and its few large products are as fast or faster:
+# gqa-medium prefill, tiled / dense tokens/s 0.95 at 1,024 tokens, 0.91 at
+# 2,048, 1.22 at 4,096, 1.23 at 8,192 (experiments/prefill_scaling.py,
+# WORKSPACE.md "Prefill against prompt length").
+MIN_PAIRS = 3072 * 3072
 
 
 @dataclasses.dataclass(frozen=True)
