@@ -22,9 +22,13 @@ setuptools.setup(
     ],
     extras_require={
         # Parity tests against the reference implementation: CPU torch only.
+        # gguf (pure Python): the GGUF export round trip in tests/test_gguf.py.
         "test": ["pytest>=8", "pytest-xdist>=3", "hypothesis>=6", "torch==2.13.0",
-                 "transformers>=4.50"],
+                 "transformers>=4.50", "gguf"],
         "bench": ["torch==2.13.0", "transformers>=4.50"],
         "corpus": ["rdata>=1.0"],
+        # The llama.cpp peer (experiments/llamacpp_peer.py, tests/test_gguf.py):
+        # builds llama.cpp from source (cmake, a C++ compiler).
+        "llamacpp": ["llama-cpp-python==0.3.16", "gguf"],
     },
 )

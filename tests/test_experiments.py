@@ -32,7 +32,7 @@ CLI_SCRIPTS = sorted(
     os.path.join(ROOT, "experiments", f"{name}.py") for name in (
         "ablate", "attention_map", "benchmark", "cache_table",
         "decode_layout", "error_check_cost", "explain", "generate",
-        "memory_growth",
+        "llamacpp_peer", "memory_growth",
         "peer_benchmark", "prefill_scaling", "serve", "streaming_eval",
         "task_eval", "train", "train_speed"))
 
