@@ -21,8 +21,9 @@ token by token — the comparison of prefill-time compression with
 decode-time eviction.
 
 Models: --checkpoint is a training workdir
-(`kvjax.orbax_checkpoint.restore_params`: the shipped task model, or one
-from `python -m kvjax.lab.tasks --config=configs/tasks.py:gqa-passkey`);
+(`kvjax.orbax_checkpoint.restore_params`: the shipped passkey model
+checkpoints/tasks-gqa-passkey, trained at T = 256, or one from
+`python -m kvjax.lab.tasks --config=configs/tasks.py:gqa-passkey`);
 with --checkpoint='' a random-weight preset from --model (a smoke run: it
 scores ~0, the chance level of exact match, and ~ -A·ln 259 nats of
 teacher-forced log-likelihood).
@@ -59,17 +60,18 @@ from kvjax.lab import tasks
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.",
                                required=True)
 _CHECKPOINT = flags.DEFINE_string(
-    "checkpoint", "checkpoints/austen-gqa",
+    "checkpoint", "checkpoints/tasks-gqa-passkey",
     "Training workdir (kvjax.orbax_checkpoint.restore_params); empty: a "
     "random-weight model from --model.")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: last).")
 _MODEL = config_flags.DEFINE_config_file(
     "model", "configs/model.py:gqa-tiny",
     "Random-weight preset, used only with --checkpoint=''.", lock_config=True)
-_TASKS = flags.DEFINE_list("tasks", "passkey,niah_single,mqar",
+_TASKS = flags.DEFINE_list("tasks", "passkey",
                            f"Task names from {sorted(tasks.TASKS)}.")
-_LENGTHS = flags.DEFINE_list("lengths", "256,1024", "Prompt lengths T.")
-_DEPTHS = flags.DEFINE_list("depths", "0,0.5,1", "Needle depths in [0, 1].")
+_LENGTHS = flags.DEFINE_list("lengths", "256", "Prompt lengths T.")
+_DEPTHS = flags.DEFINE_list("depths", "0,0.25,0.5,0.75,1",
+                            "Needle depths in [0, 1].")
 _SAMPLES = flags.DEFINE_integer("samples", 4,
                                 "Examples per (task, length, depth).")
 _SEED = flags.DEFINE_integer("seed", 0, "First example seed.")

@@ -756,6 +756,22 @@ class TrainTest(absltest.TestCase):
 
 
 @pytest.mark.slow
+class ShippedTaskModelTest(absltest.TestCase):
+
+  def test_retrieves_a_late_needle_through_the_full_cache(self):
+    # checkpoints/tasks-gqa-passkey (task_eval's default model) finds a
+    # pass key at the end of a 256-byte prompt; a random model scores 0.
+    import os  # pylint: disable=g-import-not-at-top
+    from kvjax import orbax_checkpoint  # pylint: disable=g-import-not-at-top
+    root = os.path.join(os.path.dirname(__file__), "..")
+    config, params = orbax_checkpoint.restore_params(
+        os.path.join(root, "checkpoints", "tasks-gqa-passkey"))
+    exs = tasks.task_set("passkey", [256], [1.0], 6, seed=123)
+    recs = task_eval.evaluate(params, config, exs, "full", 1.0)
+    self.assertGreaterEqual(sum(r["exact"] for r in recs), 5, recs)
+
+
+@pytest.mark.slow
 class ExperimentTest(absltest.TestCase):
 
   def test_task_eval_script_writes_its_outputs(self):
