@@ -218,6 +218,24 @@ def best_and_worst(rows, task: str) -> tuple[str, str]:
   return ranked[-1], ranked[0]
 
 
+def accuracy_image(ax, records, keys) -> None:
+  """Mean exact match over (rows, columns) = `keys`, drawn and labelled
+  in every filled cell."""
+  grid = task_eval.accuracy_grid(records, keys=keys)
+  ys = sorted({k[0] for k in grid})
+  xs = sorted({k[1] for k in grid})
+  img = np.full((len(ys), len(xs)), np.nan)
+  for (y, x), (acc, _) in grid.items():
+    img[ys.index(y), xs.index(x)] = acc
+  ax.imshow(img, vmin=0, vmax=1, cmap="viridis", aspect="auto",
+            origin="lower")
+  for a, b in zip(*np.nonzero(~np.isnan(img))):
+    ax.text(b, a, f"{img[a, b]:.2f}", ha="center", va="center",
+            color="white" if img[a, b] < 0.5 else "black", fontsize=8)
+  ax.set_xticks(range(len(xs)), [f"{x:g}" for x in xs])
+  ax.set_yticks(range(len(ys)), [f"{y:g}" for y in ys])
+
+
 def plot_depth_budget(records, rows, path, task_names, title):
   """Needle depth × budget accuracy for the best and the worst policy of
   each task."""
@@ -233,20 +251,7 @@ def plot_depth_budget(records, rows, path, task_names, title):
     for j, (which, lab) in enumerate((("best", best), ("worst", worst))):
       ax = axes[i, j]
       rs = [r for r in records if r["task"] == task and label(r) == lab]
-      grid = task_eval.accuracy_grid(rs, keys=("depth", "budget"))
-      depths = sorted({k[0] for k in grid})
-      budgets = sorted({k[1] for k in grid})
-      img = np.full((len(depths), len(budgets)), np.nan)
-      for (d, b), (acc, _) in grid.items():
-        img[depths.index(d), budgets.index(b)] = acc
-      ax.imshow(img, vmin=0, vmax=1, cmap="viridis", aspect="auto",
-                origin="lower")
-      for a in range(len(depths)):
-        for b in range(len(budgets)):
-          ax.text(b, a, f"{img[a, b]:.2f}", ha="center", va="center",
-                  color="white" if img[a, b] < 0.5 else "black", fontsize=8)
-      ax.set_xticks(range(len(budgets)), [f"{b:g}" for b in budgets])
-      ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
+      accuracy_image(ax, rs, ("depth", "budget"))
       ax.set_xlabel("cache budget (slots / prompt)")
       ax.set_ylabel("needle depth")
       ax.set_title(f"{task}: {which} policy, {lab}", fontsize=9)
@@ -270,22 +275,7 @@ def plot_heatmaps(records, path, task_names, budget, policies, title):
       rs = [r for r in records if r["task"] == task and
             label(r) == policy and
             (r["policy"] == "full" or r["budget"] == budget)]
-      grid = task_eval.accuracy_grid(rs, keys=("length", "depth"))
-      lengths = sorted({k[0] for k in grid})
-      depths = sorted({k[1] for k in grid})
-      img = np.full((len(lengths), len(depths)), np.nan)
-      for (n, d), (acc, _) in grid.items():
-        img[lengths.index(n), depths.index(d)] = acc
-      ax.imshow(img, vmin=0, vmax=1, cmap="viridis", aspect="auto",
-                origin="lower")
-      for a in range(len(lengths)):
-        for b in range(len(depths)):
-          if not np.isnan(img[a, b]):
-            ax.text(b, a, f"{img[a, b]:.2f}", ha="center", va="center",
-                    color="white" if img[a, b] < 0.5 else "black",
-                    fontsize=8)
-      ax.set_xticks(range(len(depths)), [f"{d:g}" for d in depths])
-      ax.set_yticks(range(len(lengths)), [str(n) for n in lengths])
+      accuracy_image(ax, rs, ("length", "depth"))
       ax.set_xlabel("needle depth")
       ax.set_ylabel("prompt length")
       ax.set_title(f"{task}\n{policy}" +

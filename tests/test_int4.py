@@ -23,7 +23,6 @@ Invariants:
 """
 
 import dataclasses
-import functools
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -35,45 +34,18 @@ import pytest
 
 import kvjax
 from kvjax import blocked
-from kvjax import cache as cache_lib
 from kvjax import decode
 from kvjax import engine as E
-from kvjax import model
 from kvjax import paged as pg
 from kvjax import quant
 from kvjax.lab import published
 from kvjax.tolerance import assert_close, max_error, tolerance, unit_roundoff
 
 import cases  # pylint: disable=g-bad-import-order
-from tiny_models import tiny, tiny_params  # pylint: disable=g-bad-import-order
+from tiny_models import teacher_forced_decode_logits, tiny, tiny_params  # pylint: disable=g-bad-import-order,line-too-long
 
 INT4 = kvjax.CachePolicy(kv_dtype="int4")
 KINDS = cases.FAST_VARIANTS  # one KVCache (gqa), one LatentCache (mla)
-
-
-@functools.partial(jax.jit, static_argnames=("config", "n_prompt"))
-def _prefill_then_decode(params, config, tokens, cache, n_prompt):
-  mask = jnp.ones((tokens.shape[0], n_prompt), bool)
-  _, cache = model.prefill_logits(params, config, tokens[:, :n_prompt], mask,
-                                  cache, False)
-
-  def body(cache, tok_B):
-    logits_BV, cache = model.decode_logits(params, config, tok_B, cache)
-    return cache, logits_BV
-
-  cache, logits_TBV = jax.lax.scan(body, cache, tokens[:, n_prompt:].T)
-  return jnp.swapaxes(logits_TBV, 0, 1), cache
-
-
-@functools.lru_cache(maxsize=None)
-def teacher_forced(variant, kv_dtype, n_prompt=6, n_steps=6):
-  """Decode logits [B, n_steps, V] over one fixed token sequence, and the
-  cache (the program tests/test_quant.py compiles for the other dtypes)."""
-  config, params = tiny(variant), tiny_params(variant)
-  tokens = jax.random.randint(jax.random.key(7), (2, n_prompt + n_steps), 0,
-                              config.vocab_size)
-  cache = kvjax.init_cache(config, 2, 16, dtype=kv_dtype)
-  return _prefill_then_decode(params, config, tokens, cache, n_prompt)
 
 
 class PackingTest(parameterized.TestCase):
@@ -137,7 +109,7 @@ class CacheBytesTest(parameterized.TestCase):
   def test_storage_shapes_and_bytes(self, variant):
     config = tiny(variant)
     B, S, L = 2, 16, config.num_layers
-    _, cache = teacher_forced(variant, "int4")
+    _, cache = teacher_forced_decode_logits(variant, "int4")
     if config.attention == "mla":
       C, R = config.kv_lora_rank, config.qk_rope_head_dim
       payload, scales = (cache.c_kv, cache.k_rope), (cache.c_scale,
@@ -190,9 +162,9 @@ class DecodeTest(parameterized.TestCase):
 
   @cases.product(variant=KINDS)
   def test_decode_logits_are_close_to_float32(self, variant):
-    ref, _ = teacher_forced(variant, "float32")
-    got, _ = teacher_forced(variant, "int4")
-    int8, _ = teacher_forced(variant, "int8")
+    ref, _ = teacher_forced_decode_logits(variant, "float32")
+    got, _ = teacher_forced_decode_logits(variant, "int4")
+    int8, _ = teacher_forced_decode_logits(variant, "int8")
     chex.assert_tree_all_finite(got)
     # Per-element storage error is u(int4) = 1/14 of the vector max, carried
     # through the layers (`kvjax.tolerance`).

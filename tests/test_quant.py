@@ -7,7 +7,6 @@ with a quantized cache stay within a bound of the float32 cache; bfloat16
 compute runs and stays close to float32; bad kv dtypes raise.
 """
 
-import functools
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -17,7 +16,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import kvjax
-from kvjax import model
 from kvjax import quant
 from kvjax.tolerance import assert_close, tolerance
 from configs import model as model_presets
@@ -30,7 +28,7 @@ KV_DTYPES = ("float32", "bfloat16", "float16", "int8")
 
 
 import cases  # pylint: disable=g-bad-import-order
-from tiny_models import tiny, tiny_params  # pylint: disable=g-bad-import-order
+from tiny_models import teacher_forced_decode_logits, tiny, tiny_params  # pylint: disable=g-bad-import-order,line-too-long
 
 
 def _storage(cache):
@@ -38,31 +36,6 @@ def _storage(cache):
   if isinstance(cache, kvjax.LatentCache):
     return (cache.c_kv, cache.k_rope), (cache.c_scale, cache.r_scale)
   return (cache.k, cache.v), (cache.k_scale, cache.v_scale)
-
-
-@functools.partial(jax.jit, static_argnames=("config", "n_prompt"))
-def _prefill_then_decode(params, config, tokens, cache, n_prompt):
-  mask = jnp.ones((tokens.shape[0], n_prompt), bool)
-  _, cache = model.prefill_logits(params, config, tokens[:, :n_prompt], mask,
-                                  cache, False)
-
-  def body(cache, tok_B):
-    logits_BV, cache = model.decode_logits(params, config, tok_B, cache)
-    return cache, logits_BV
-
-  cache, logits_TBV = jax.lax.scan(body, cache, tokens[:, n_prompt:].T)
-  return jnp.swapaxes(logits_TBV, 0, 1), cache
-
-
-@functools.lru_cache(maxsize=None)
-def teacher_forced_decode_logits(variant, kv_dtype, n_prompt=6, n_steps=6):
-  """Decode logits [B, n_steps, V] over one fixed token sequence (one
-  compiled program: prefill, then a scan of decode steps), and the cache."""
-  config, params = tiny(variant), tiny_params(variant)
-  tokens = jax.random.randint(jax.random.key(7), (2, n_prompt + n_steps), 0,
-                              config.vocab_size)
-  cache = kvjax.init_cache(config, 2, 16, dtype=kv_dtype)
-  return _prefill_then_decode(params, config, tokens, cache, n_prompt)
 
 
 class QuantizeTest(parameterized.TestCase):

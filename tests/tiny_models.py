@@ -3,8 +3,10 @@
 import functools
 
 import jax
+import jax.numpy as jnp
 
 import kvjax
+from kvjax import model
 from configs import model as model_presets
 
 VARIANTS = model_presets.VARIANTS
@@ -22,3 +24,28 @@ def tiny(variant: str) -> kvjax.ModelConfig:
 @functools.lru_cache(maxsize=None)
 def tiny_params(variant: str):
   return kvjax.init_params(tiny(variant), jax.random.key(0))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "n_prompt"))
+def _prefill_then_decode(params, config, tokens, cache, n_prompt):
+  mask = jnp.ones((tokens.shape[0], n_prompt), bool)
+  _, cache = model.prefill_logits(params, config, tokens[:, :n_prompt], mask,
+                                  cache, False)
+
+  def body(cache, tok_B):
+    logits_BV, cache = model.decode_logits(params, config, tok_B, cache)
+    return cache, logits_BV
+
+  cache, logits_TBV = jax.lax.scan(body, cache, tokens[:, n_prompt:].T)
+  return jnp.swapaxes(logits_TBV, 0, 1), cache
+
+
+@functools.lru_cache(maxsize=None)
+def teacher_forced_decode_logits(variant, kv_dtype, n_prompt=6, n_steps=6):
+  """Decode logits [B, n_steps, V] over one fixed token sequence (one
+  compiled program: prefill, then a scan of decode steps), and the cache."""
+  config, params = tiny(variant), tiny_params(variant)
+  tokens = jax.random.randint(jax.random.key(7), (2, n_prompt + n_steps), 0,
+                              config.vocab_size)
+  cache = kvjax.init_cache(config, 2, 16, dtype=kv_dtype)
+  return _prefill_then_decode(params, config, tokens, cache, n_prompt)
