@@ -18,6 +18,7 @@ from absl.testing import parameterized
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import kvjax
 from kvjax import attention
@@ -125,7 +126,10 @@ def _jitted(fn, pairs):
 
 class ModelPathsTest(parameterized.TestCase):
 
-  @cases.product(variant=KINDS, policy=("none", "window", "sinks"))
+  # Fast tier: each attention kind once (GQA with a window, MLA dense).
+  @cases.product(variant=KINDS, policy=("none", "window", "sinks"),
+                 slow=lambda variant, policy: (
+                     policy != ("none" if variant == "mla" else "window")))
   def test_prefill_and_extend_in_tiles_equal_dense(self, variant, policy):
     config, params = tiny(variant), tiny_params(variant)
     B, T, T2 = 2, 40, 12
@@ -172,6 +176,7 @@ class ModelPathsTest(parameterized.TestCase):
         flash.MIN_PAIRS = old
     self.assertEqual(loops[0], loops[float("inf")] + 1, loops)
 
+  @pytest.mark.slow  # compiles four prefills
   def test_memory_grows_linearly_in_tiles(self):
     # XLA's memory analysis (compile only): doubling the prompt doubles
     # the tiled prefill's temporaries and quadruples the dense scores.
