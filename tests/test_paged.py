@@ -253,19 +253,23 @@ class DecodeLoopTest(parameterized.TestCase):
 
 class CopyOnWriteTest(parameterized.TestCase):
 
-  def test_shared_page_is_read_and_the_copy_written(self):
+  # int4 too: its pages hold packed codes and scales, copied alike.
+  @parameterized.named_parameters(("float32", "float32"), ("int4", "int4"))
+  def test_shared_page_is_read_and_the_copy_written(self, kv_dtype):
     config, params = tiny("gqa"), tiny_params("gqa")
+    policy = kvjax.CachePolicy(kv_dtype=kv_dtype)
     prompt = np.random.default_rng(2).integers(0, 256, (1, 5)).astype(
         np.int32)
     tokens = np.repeat(prompt, B, axis=0)
     ref_logits, ref = kvjax.prefill(params, config, tokens,
-                                    kvjax.init_cache(config, B, M * Y))
+                                    kvjax.init_cache(config, B, M * Y,
+                                                     policy=policy))
     table = np.full((B, M), pg.NO_PAGE, np.int32)
     table[:, 0] = 7
-    paged = pg.init_paged(config, B, Z, Y, M)
+    paged = pg.init_paged(config, B, Z, Y, M, policy)
     one = table[:1].copy()
     _, first = pg.prefill(params, config, prompt, pg.init_paged(
-        config, 1, Z, Y, M).replace(block_table=jnp.asarray(one)))
+        config, 1, Z, Y, M, policy).replace(block_table=jnp.asarray(one)))
     # Every row maps page 7, which holds the prompt once.
     paged = paged.replace(pool=first.pool, block_table=jnp.asarray(table),
                           length=jnp.full((B,), 5, jnp.int32))
