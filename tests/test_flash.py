@@ -11,7 +11,6 @@ analysis of the tiled prefill grows linearly with the prompt, the dense
 one quadratically.
 """
 
-import functools
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -182,22 +181,12 @@ class ModelPathsTest(parameterized.TestCase):
     # the tiled prefill's temporaries and quadruples the dense scores.
     config, params = tiny("gqa"), tiny_params("gqa")
 
-    def temporaries(T, pairs):
-      def fn(params, tokens, mask, cache):
-        return model.prefill_logits(params, config, tokens, mask, cache,
-                                    False)
-      old = flash.MIN_PAIRS
-      flash.MIN_PAIRS = pairs
-      try:
-        lowered = jax.jit(lambda *a: fn(*a)).lower(
-            params, jnp.zeros((1, T), jnp.int32), jnp.ones((1, T), bool),
-            jax.eval_shape(functools.partial(kvjax.init_cache, config, 1, T)))
-      finally:
-        flash.MIN_PAIRS = old
-      return benchmarking.compiled_memory(lowered)["temporaries"]
+    def temporaries(T, path):
+      return benchmarking.prefill_memory(params, config, 1, T,
+                                         path=path)["temporaries"]
 
-    tiled = [temporaries(T, 0) for T in (2048, 4096)]
-    dense = [temporaries(T, float("inf")) for T in (2048, 4096)]
+    tiled = [temporaries(T, "tiled") for T in (2048, 4096)]
+    dense = [temporaries(T, "dense") for T in (2048, 4096)]
     self.assertLess(tiled[1] / tiled[0], 2.5, tiled)
     self.assertGreater(dense[1] / dense[0], 3.0, dense)
     self.assertLess(tiled[1], dense[1] / 4, (tiled, dense))

@@ -105,40 +105,20 @@ class PackingTest(parameterized.TestCase):
 
 class CacheBytesTest(parameterized.TestCase):
 
+  # Shapes, scales and nbytes of the int4 cache: test_quant's storage test.
   @cases.product(variant=KINDS)
-  def test_storage_shapes_and_bytes(self, variant):
+  def test_bytes_formula(self, variant):
     config = tiny(variant)
-    B, S, L = 2, 16, config.num_layers
-    _, cache = teacher_forced_decode_logits(variant, "int4")
+    L = config.num_layers
     if config.attention == "mla":
       C, R = config.kv_lora_rank, config.qk_rope_head_dim
-      payload, scales = (cache.c_kv, cache.k_rope), (cache.c_scale,
-                                                     cache.r_scale)
-      chex.assert_shape(payload, [(L, B, S, C // 2), (L, B, S, R // 2)])
-      chex.assert_shape(scales, [(L, B, S)] * 2)
       formula = L * ((C + R) // 2 + 2 * 4)
     else:
       K, H = config.num_kv_heads, config.head_dim
-      payload, scales = (cache.k, cache.v), (cache.k_scale, cache.v_scale)
-      chex.assert_shape(payload, [(L, B, K, S, H // 2)] * 2)
-      chex.assert_shape(scales, [(L, B, K, S)] * 2)
       formula = L * (2 * K * H // 2 + 2 * K * 4)
-    for x in payload:
-      self.assertEqual(x.dtype, jnp.uint8)
-    for s in scales:
-      self.assertEqual(s.dtype, jnp.float32)
-    # Filled slots carry positive scales; empty ones zero.
-    filled = np.asarray(cache.positions >= 0)
-    s0 = np.asarray(scales[0][0])
-    s0 = s0 if s0.ndim == 2 else s0.max(axis=1)
-    self.assertTrue((s0[filled] > 0).all())
-    self.assertTrue((s0[~filled] == 0).all())
-    nbytes = sum(x.nbytes for x in payload + scales)
     per_token = kvjax.kv_bytes_per_token(config, "int4")
     self.assertIsInstance(per_token, int)
     self.assertEqual(per_token, formula)
-    self.assertEqual(per_token * B * S, nbytes)
-    self.assertEqual(kvjax.cache_bytes(cache)["kv"], nbytes)
     self.assertLess(per_token, kvjax.kv_bytes_per_token(config, "int8"))
 
   @parameterized.named_parameters(("_gqa", "Llama-3-8B"),

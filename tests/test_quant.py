@@ -24,7 +24,7 @@ VARIANTS = model_presets.VARIANTS
 # The first variant of each attention kind: one KVCache, one LatentCache.
 KINDS = tuple({model_presets.model_dict(v, "tiny")["attention"]: v
                for v in reversed(VARIANTS)}.values())
-KV_DTYPES = ("float32", "bfloat16", "float16", "int8")
+KV_DTYPES = ("float32", "bfloat16", "float16", "int8", "int4")
 
 
 import cases  # pylint: disable=g-bad-import-order
@@ -85,18 +85,19 @@ class QuantizedCacheTest(chex.TestCase):
     _, cache = teacher_forced_decode_logits(variant, kv_dtype)
     payload, scales = _storage(cache)
     L = config.num_layers
+    n = quant.values_per_element(kv_dtype)  # int4: two codes a byte
     if config.attention == "mla":
       # The latent stays latent when quantized: [L, B, S, C] and [L, B, S, R].
-      chex.assert_shape(payload, [(L, B, S, config.kv_lora_rank),
-                                  (L, B, S, config.qk_rope_head_dim)])
+      chex.assert_shape(payload, [(L, B, S, config.kv_lora_rank // n),
+                                  (L, B, S, config.qk_rope_head_dim // n)])
       scale_shape = (L, B, S)
     else:
       K, H = config.num_kv_heads, config.head_dim
-      chex.assert_shape(payload, [(L, B, K, S, H)] * 2)
+      chex.assert_shape(payload, [(L, B, K, S, H // n)] * 2)
       scale_shape = (L, B, K, S)
     for x in payload:
       self.assertEqual(x.dtype, quant.storage_dtype(kv_dtype))
-    if kv_dtype == "int8":
+    if kv_dtype in ("int8", "int4"):
       chex.assert_shape(scales, [scale_shape] * 2)
       for s in scales:
         self.assertEqual(s.dtype, jnp.float32)

@@ -845,18 +845,24 @@ def prefill_memory(params, config: ModelConfig, batch: int,
   path: None (what `flash.use_tiles` chooses), 'dense' or 'tiled' (the
   attention forced to one path while the program is traced).
   """
-  from kvjax import model  # pylint: disable=g-import-not-at-top
   params = packed.for_decode(params, config)
   cache = jax.eval_shape(lambda: cache_lib.init_cache(config, batch, length))
   tokens = jax.ShapeDtypeStruct((batch, length), jnp.int32)
   mask = jax.ShapeDtypeStruct((batch, length), jnp.bool_)
+  return compiled_memory(_lower_prefill(params, config, tokens, mask, cache,
+                                        path))
+
+
+def _lower_prefill(params, config, tokens, mask, cache, path: str | None):
+  """The jitted prefill body (last logits, the cache donated) lowered for
+  these arguments (arrays or shapes), its attention forced to `path`."""
+  from kvjax import model  # pylint: disable=g-import-not-at-top
   with _attention_path(path):
     # A fresh function: traces are cached per function object, so the
     # forced path would otherwise be ignored for a shape seen before.
-    lowered = jax.jit(lambda p, t, m, c: model.prefill_logits(
+    return jax.jit(lambda p, t, m, c: model.prefill_logits(
         p, config, t, m, c, False), donate_argnums=3).lower(
             params, tokens, mask, cache)
-  return compiled_memory(lowered)
 
 
 @contextlib.contextmanager
@@ -888,20 +894,15 @@ def prefill_paths(params, config: ModelConfig, batch: int, length: int, *,
     takes at this length.
   """
   from kvjax import flash  # pylint: disable=g-import-not-at-top
-  from kvjax import model  # pylint: disable=g-import-not-at-top
   tokens = jax.random.randint(jax.random.key(0), (batch, length), 0,
                               config.vocab_size)
   mask = jnp.ones((batch, length), bool)
   params = packed.for_decode(params, config)
-  compiled, memory = {}, {}
-  for name in ("dense", "tiled"):
-    with _attention_path(name):
-      fn = jax.jit(lambda p, t, m, c: model.prefill_logits(p, config, t, m, c,
-                                                           False),
-                   donate_argnums=3)
-      compiled[name] = fn.lower(params, tokens, mask, cache_lib.init_cache(
-          config, batch, length)).compile()
-    memory[name] = compiled_memory(compiled[name])
+  cache = jax.eval_shape(lambda: cache_lib.init_cache(config, batch, length))
+  compiled = {name: _lower_prefill(params, config, tokens, mask, cache,
+                                   name).compile()
+              for name in ("dense", "tiled")}
+  memory = {name: compiled_memory(c) for name, c in compiled.items()}
 
   def runner(name):
     def run():
