@@ -203,6 +203,15 @@ def query_tiles(T: int) -> tuple[tuple[int, int], ...]:
   return tuple((t0, min(t0 + C, T)) for t0 in range(0, T, C))
 
 
+def decode_probs(logits_BKGS, mask_BKTS, scale: float):
+  """Decode attention probabilities [B, K, G, S] (float32) from unscaled
+  key logits: scale, mask (a fully masked row gives a finite average,
+  never NaN), softmax."""
+  logits_BKGS = jnp.where(mask_BKTS[:, :, 0][:, :, None], logits_BKGS * scale,
+                          jnp.finfo(jnp.float32).min)
+  return jax.nn.softmax(logits_BKGS, axis=-1)
+
+
 def decode_softmax_values(logits_BKGS, v_BKSH, mask_BKTS, scale: float,
                           dtype):
   """The rest of decode attention (T = 1) once the key logits are known:
@@ -213,9 +222,7 @@ def decode_softmax_values(logits_BKGS, v_BKSH, mask_BKTS, scale: float,
     out_BTKGH in `dtype`, probs_BKGTS (float32); fully masked rows give a
     finite average, never NaN.
   """
-  logits_BKGS = jnp.where(mask_BKTS[:, :, 0][:, :, None], logits_BKGS * scale,
-                          jnp.finfo(jnp.float32).min)
-  probs_BKGS = jax.nn.softmax(logits_BKGS, axis=-1)
+  probs_BKGS = decode_probs(logits_BKGS, mask_BKTS, scale)
   out_BKGH = jnp.einsum("BKGS,BKSH->BKGH", probs_BKGS.astype(v_BKSH.dtype),
                         v_BKSH, preferred_element_type=jnp.float32)
   return out_BKGH[:, None].astype(dtype), probs_BKGS[:, :, :, None]

@@ -2,8 +2,9 @@
 `generate`, the decode benchmarks, the streaming evaluation.
 
   plan(...)  how a loop lays out its work (static): the attention schedule
-             (segments that attend a prefix of the cache) and whether a
-             segment reads the blocked cache (`kvjax.blocked`).
+             (segments that attend a prefix of the cache) and the layout a
+             segment reads: the stacked cache itself, or a per-segment
+             view of its prefix (`kvjax.blocked`, `kvjax.layered`).
   run(...)   n decode steps from a token and a cache: `lax.scan` segments
              per the plan, or one `lax.while_loop` that stops when every
              sequence has emitted a stop token. Step i feeds the current
@@ -32,16 +33,27 @@ import jax.numpy as jnp
 
 from kvjax import blocked
 from kvjax import cache as cache_lib
+from kvjax import layered
 from kvjax import model
 from kvjax import projections
 from kvjax.config import ModelConfig
 
 ATTEND_MIN = 128  # smallest attention prefix a decode segment uses
-DECODE_LAYOUTS = ("auto", "stacked", "blocked")
+DECODE_LAYOUTS = ("auto", "stacked", "blocked", "layered")
+# Segment views: modules with supports / from_cache / into_cache and a
+# registered decode cache kind (`attention.register_decode_cache`).
+_VIEWS = {"blocked": blocked, "layered": layered}
 # 'auto' blocks from this batch on: whole-generate speedups 1.001 at batch 2,
 # 1.010 at 4, 1.053 at 8, 1.104 at 16 (gqa-medium; WORKSPACE.md). Below it
 # the segment copies would only add compile time.
 BLOCKED_MIN_BATCH = 4
+# 'auto' reads float caches layered (`kvjax.layered`) in segments attending
+# this many slots or more (batch >= BLOCKED_MIN_BATCH): per-layer arrays,
+# keys unblocked, measured 1.61x the stacked and 1.30x the blocked step for
+# gqa-medium at batch 8 and 4096 cached tokens, but 0.85x / 0.92x at 512
+# (WORKSPACE.md "Quantized caches"). int8 caches read layered at every
+# batch and length (integer attention).
+LAYERED_MIN_SLOTS = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,12 +63,24 @@ class Plan:
   schedule: segments ((n_steps, attend), ...): each a `lax.scan` attending
     the first `attend` slots (0: the whole cache); None: one segment over
     the whole cache.
-  blocked: a segment whose prefix `kvjax.blocked` supports reads a
-    `BlockedKV` copy of it.
+  layout: 'stacked' (steps read the cache itself), or a view every
+    segment whose prefix the view supports reads instead: 'blocked'
+    (`BlockedKV`), 'layered' (`LayeredKV`).
+  layouts: one layout per segment of the schedule, overriding `layout`
+    (() : `layout` for all).
   """
 
   schedule: tuple[tuple[int, int], ...] | None = None
-  blocked: bool = False
+  layout: str = "stacked"
+  layouts: tuple[str, ...] = ()
+
+  def segment_layout(self, i: int) -> str:
+    return self.layouts[i] if self.layouts else self.layout
+
+  @property
+  def blocked(self) -> bool:
+    """Whether any segment reads the blocked view."""
+    return "blocked" in (self.layouts or (self.layout,))
 
 
 def bucket_length(n: int, minimum: int = 16) -> int:
@@ -118,13 +142,17 @@ def plan(params, config: ModelConfig, policy: cache_lib.CachePolicy,
   benchmarks call it with the same arguments, so they time the same loop.
 
   The attention schedule needs eviction 'none', positions 'original', no
-  stop tokens (the while_loop has one body) and no sharding plan. The
-  blocked layout ('auto') needs the schedule, attention 'gqa', a float
-  cache, per-layer params (what `kvjax.packed.for_decode` gives on CPU),
-  batch >= BLOCKED_MIN_BATCH and CPU params (where it was measured).
+  stop tokens (the while_loop has one body) and no sharding plan. Both
+  views need the schedule, attention 'gqa' and per-layer params (what
+  `kvjax.packed.for_decode` gives on CPU); 'blocked' a float cache,
+  'layered' a `layered.LAYERED_DTYPES` one with per-token keys. 'auto'
+  (CPU params, where they were measured): 'layered' for int8 caches at
+  every batch; for float caches from BLOCKED_MIN_BATCH sequences on,
+  'layered' in segments attending LAYERED_MIN_SLOTS slots or more and
+  'blocked' in shorter ones; else 'stacked'.
 
   Raises:
-    ValueError: an unknown decode_layout, or 'blocked' where it cannot run.
+    ValueError: an unknown decode_layout, or a view where it cannot run.
   """
   if decode_layout not in DECODE_LAYOUTS:
     raise ValueError(f"decode_layout={decode_layout!r} is not one of "
@@ -136,25 +164,51 @@ def plan(params, config: ModelConfig, policy: cache_lib.CachePolicy,
         prompt_len, steps, capacity,
         policy.key_group if policy.channel_keys else 1)
   if decode_layout == "stacked":
-    return Plan(schedule, False)
-  why = None
-  if schedule is None:
-    why = ("it runs the attention segments, which need attend_buckets, "
-           "eviction='none', positions='original', no stop tokens and no "
-           "shardings")
-  elif config.attention != "gqa":
-    why = f"attention={config.attention!r} has no per-head keys"
-  elif policy.quantized:
-    why = f"kv_dtype={policy.kv_dtype!r} (quantized scales are not blocked)"
-  elif not projections.is_packed(params):
-    why = ("stacked layer params reach the cache by a traced layer index; "
-           "per-layer arrays need the decode layout (`kvjax.pack`)")
-  if decode_layout == "blocked":
+    return Plan(schedule)
+  if decode_layout != "auto":
+    why = _why_not(decode_layout, schedule, params, config, policy)
     if why:
-      raise ValueError(f"decode_layout='blocked': {why}")
-    return Plan(schedule, True)
-  return Plan(schedule, why is None and batch >= BLOCKED_MIN_BATCH and
-              platform(params) == "cpu")
+      raise ValueError(f"decode_layout={decode_layout!r}: {why}")
+    return Plan(schedule, decode_layout)
+  if platform(params) != "cpu":
+    return Plan(schedule)
+  if policy.quantized:
+    choice = "layered"
+  elif batch >= BLOCKED_MIN_BATCH:
+    choice = "blocked"
+  else:
+    return Plan(schedule)
+  if _why_not(choice, schedule, params, config, policy):
+    return Plan(schedule)
+  if choice == "layered":
+    return Plan(schedule, "layered")
+  # Float caches: blocked below LAYERED_MIN_SLOTS attended slots, layered
+  # from there on.
+  return Plan(schedule, "blocked", tuple(
+      "layered" if (attend or capacity) >= LAYERED_MIN_SLOTS and
+      not _why_not("layered", schedule, params, config, policy) else
+      "blocked" for _, attend in schedule))
+
+
+def _why_not(layout: str, schedule, params, config: ModelConfig,
+             policy: cache_lib.CachePolicy) -> str | None:
+  """Why `layout` (a view) cannot run this loop, or None."""
+  if schedule is None:
+    return ("it runs the attention segments, which need attend_buckets, "
+            "eviction='none', positions='original', no stop tokens and no "
+            "shardings")
+  if config.attention != "gqa":
+    return f"attention={config.attention!r} has no per-head keys"
+  if layout == "blocked" and policy.quantized:
+    return f"kv_dtype={policy.kv_dtype!r} (quantized scales are not blocked)"
+  if layout == "layered" and (policy.kv_dtype not in layered.LAYERED_DTYPES
+                              or policy.channel_keys):
+    return (f"kv_dtype={policy.kv_dtype!r}, key_quant={policy.key_quant!r} "
+            f"(layered: {layered.LAYERED_DTYPES}, per-token keys)")
+  if not projections.is_packed(params):
+    return ("stacked layer params reach the cache by a traced layer index; "
+            "per-layer arrays need the decode layout (`kvjax.pack`)")
+  return None
 
 
 def _no_pin(logits, cache):
@@ -204,18 +258,19 @@ def run(params, config: ModelConfig, tok_B, cache, xs, *,
               emit(logits_BV, nxt_B, x, cache))
 
     records, start = [], 0
-    for steps, attend in plan.schedule or ((n, 0),):
+    for i, (steps, attend) in enumerate(plan.schedule or ((n, 0),)):
       prefix = attend or cache.capacity
-      use_blocked = plan.blocked and blocked.supports(cache, prefix) is None
-      seg = blocked.from_cache(cache, prefix) if use_blocked else cache
+      view = _VIEWS.get(plan.segment_layout(i))
+      use_view = view is not None and view.supports(cache, prefix) is None
+      seg = view.from_cache(cache, prefix) if use_view else cache
       seg_xs = (None if xs is None else
                 jax.tree_util.tree_map(lambda a, s=start, k=steps: a[s:s + k],
                                        xs))
       (tok_B, seg, _), ys = jax.lax.scan(
-          functools.partial(body, attend=0 if use_blocked else attend),
+          functools.partial(body, attend=0 if use_view else attend),
           (tok_B, seg, model.decode_rope(config, seg)), seg_xs,
           length=steps)
-      cache = blocked.into_cache(cache, seg) if use_blocked else seg
+      cache = view.into_cache(cache, seg) if use_view else seg
       records.append(ys)
       start += steps
     ys = jax.tree_util.tree_map(lambda *a: jnp.concatenate(a, axis=0),

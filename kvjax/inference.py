@@ -536,17 +536,23 @@ def generate(params, config: ModelConfig, tokens, max_new_tokens: int, *,
     decode_layout: the cache layout the decode steps of those segments
       read. 'stacked': the `KVCache` itself. 'blocked': each segment copies
       its attended prefix into per-layer arrays with keys transposed in
-      blocks of 64 slots (`kvjax.blocked`) and back after it; same tokens
-      and logits, faster batched decode on CPU (WORKSPACE.md). It needs the
-      segments, attention 'gqa', a float kv_dtype and the decode params
+      blocks of 64 slots (`kvjax.blocked`) and back after it. 'layered':
+      each segment copies its prefix into per-layer arrays, and int8
+      caches attend with integer dots (`kvjax.layered`). Float caches give
+      the same tokens and logits in every layout; int8 ones differ by the
+      integer attention's rounding (WORKSPACE.md "Quantized caches").
+      The views need the segments, attention 'gqa' and the decode params
       layout (`kvjax.pack`, which `generate` applies itself on CPU from
-      embed_dim 256 on); a segment whose prefix is not a
-      multiple of 64 slots reads the stacked cache. While a segment runs
-      its blocked copy is held beside the cache (up to one cache of
-      temporaries). 'auto' (default): 'blocked' where it can run, the batch
-      is >= `BLOCKED_MIN_BATCH` (4; at batch 1 XLA:CPU copies a per-layer
-      array on each one-token write, at 2 it gains nothing) and the params
-      are on CPU (where it was measured), else 'stacked'.
+      embed_dim 256 on); 'blocked' a float kv_dtype (a segment whose
+      prefix is not a multiple of 64 slots reads the stacked cache),
+      'layered' float32 / bfloat16 / float16 / int8 with per-token keys.
+      While a segment runs its copy is held beside the cache (up to one
+      cache of temporaries). 'auto' (default), with params on CPU (where
+      it was measured): 'layered' for int8 caches; for float caches at
+      batch >= `BLOCKED_MIN_BATCH` (4), 'layered' in segments attending
+      `decode.LAYERED_MIN_SLOTS` (4096) slots or more and 'blocked' in
+      shorter ones; else 'stacked' (at batch 1 XLA:CPU copies a float
+      per-layer array on each one-token write).
   Returns:
     new ids [B, max_new_tokens]; with return_logits / return_cache a tuple
     (ids, logits [B, max_new_tokens, V] or None, cache or None).

@@ -678,7 +678,7 @@ def loop_plan(params, config: ModelConfig, policy: cache_lib.CachePolicy,
   if policy.channel_keys:
     page_size = math.lcm(page_size, policy.key_group)
   return decode_lib.Plan(decode_lib.attention_schedule(
-      max(S - steps, 1), steps, S, page_size), blocked=False)
+      max(S - steps, 1), steps, S, page_size))
 
 
 # ---- host side: validation, buckets, entry points ---------------------------

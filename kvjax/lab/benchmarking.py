@@ -676,8 +676,11 @@ def timing_plan(params, config: ModelConfig, policy, batch: int,
   loop compiles once and runs the layout generate would."""
   full = decode.plan(params, config, policy, batch, position, total,
                      capacity)
-  attend = full.schedule[-1][1] if full.schedule else 0
-  return decode.Plan(schedule=((steps, attend),), blocked=full.blocked)
+  if not full.schedule:
+    return decode.Plan(schedule=((steps, 0),), layout=full.layout)
+  last = len(full.schedule) - 1
+  return decode.Plan(schedule=((steps, full.schedule[last][1]),),
+                     layout=full.segment_layout(last))
 
 
 def error_check_cost(params, config: ModelConfig, batch: int, position: int,

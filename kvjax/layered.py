@@ -1,0 +1,244 @@
+"""The decode loop's layered cache: one array per layer, and integer
+attention over int8 caches (GQA / MHA / MQA; `generate`'s decode).
+
+  LayeredKV  k, v              L × [B, K, S, H]   storage dtype
+             k_scale, v_scale  L × [B, K, S]      int8 only (else None)
+
+S, the layered cache's slots, is the attended prefix of one `generate`
+decode segment (`decode.attention_schedule`): the segment splits the first
+S slots of the stacked `KVCache` into per-layer arrays once (`from_cache`),
+runs its decode scan over them and writes them back (`into_cache`). The
+copies cost two passes over the prefix per segment; a segment runs as many
+steps as it has slots to fill, so they amortise.
+
+Why per-layer arrays: a decode step over the stacked cache reads each
+layer's `k[l, :, :, :S]`, which XLA:CPU copies before the dots (a strided
+slice of the [L, B, K, S', H] array); one array per layer is read in place.
+
+Why integer attention for int8 (`int8_attend`): on CPU, XLA converts an
+int8 slice to float32 in a separate elementwise pass at a few billion
+elements a second, slower than reading the float32 cache, so a dequantized
+int8 cache was no faster than a float32 one. Integer dots (int8 × int8,
+int32 accumulation: AVX-512 VNNI / AMX on the Intel host, IMMA on GPUs)
+read the codes directly:
+
+  keys     the query is quantized per (sequence, head) row, symmetric
+           int8 (as llama.cpp quantizes its activations for q8 dots):
+           logits = q_scale · k_scale · (q_codes · k_codes).
+  values   the probabilities times each token's value scale (≥ 0) are
+           quantized per row to 255 levels, p ≈ p_scale · (c + 127) with
+           c in [-127, 127]; a row of ones appended to the codes gives
+           Σ_s v_codes in the same dot, so
+           out = p_scale · (Σ_s c_s v_s + 127 · Σ_s v_s), exact integers.
+           Masked slots have p = 0, so their c = -127 cancels exactly.
+           int32 holds the sums up to `INT8_MAX_SLOTS` slots.
+
+This adds rounding beyond the int8 storage's (measured on the trained
+model, WORKSPACE.md "Quantized caches"); the probabilities the step
+returns are the float32 ones.
+
+`LayeredKV` is a decode cache kind (`attention.DecodeCache`, registered
+below): the attention code reads it through that protocol, unaware of its
+layout. Every function returns a new cache; none mutates.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from kvjax import attention
+from kvjax import cache as cache_lib
+from kvjax import quant
+
+# |Σ_s c_s v_s + 127 Σ_s v_s| ≤ 254 · 127 · S must fit int32 (|c|, |v| ≤ 127).
+INT8_MAX_SLOTS = (2**31 - 1) // (254 * 127)
+_P_OFFSET = 127  # codes c = round(p / p_scale) - 127 cover p in 255 levels
+LAYERED_DTYPES = ("float32", "bfloat16", "float16", "int8")
+
+
+@struct.dataclass
+class Int8Rows:
+  """int8 codes [..., S, W] and their float32 scales [..., S] (one per
+  token row): what a layered int8 cache reads, undequantized."""
+  codes: jax.Array
+  scale: jax.Array
+
+
+@struct.dataclass
+class LayeredKV:
+  """A decode segment's per-layer view of a `KVCache` (module docstring).
+
+  k, v: L-tuples of [B, K, S, H] in the policy's storage dtype; k_scale,
+  v_scale: L-tuples of [B, K, S] (int8) or None; positions [B, S];
+  length [B]; errors [B] (`kvjax.errors`).
+  """
+
+  k: tuple
+  v: tuple
+  positions: jax.Array
+  length: jax.Array
+  k_scale: tuple | None = None
+  v_scale: tuple | None = None
+  errors: jax.Array | None = None
+  policy: cache_lib.CachePolicy = struct.field(
+      pytree_node=False, default=cache_lib.CachePolicy())
+  scores = None  # no h2o: the fields the decode step reads of any cache
+
+  @property
+  def capacity(self) -> int:
+    return self.v[0].shape[2]
+
+
+def supports(cache, attend: int) -> str | None:
+  """Why `cache` cannot run a segment attending `attend` slots layered
+  (None when it can): a `KVCache` of a `LAYERED_DTYPES` dtype with
+  per-token keys, eviction 'none', positions 'original', 1 <= attend <=
+  capacity (int8: at most `INT8_MAX_SLOTS`)."""
+  if not isinstance(cache, cache_lib.KVCache):
+    return "MLA's latent cache has no per-head keys"
+  policy = cache.policy
+  if policy.kv_dtype not in LAYERED_DTYPES or policy.channel_keys:
+    return (f"kv_dtype={policy.kv_dtype!r}, key_quant={policy.key_quant!r} "
+            f"(layered: {LAYERED_DTYPES}, per-token keys)")
+  if policy.eviction != "none" or policy.positions != "original":
+    return (f"eviction={policy.eviction!r}, positions={policy.positions!r} "
+            "(needs 'none', 'original': the filled slots a prefix)")
+  if not 1 <= attend <= cache.capacity:
+    return f"attend={attend} is not within capacity {cache.capacity}"
+  if policy.quantized and attend > INT8_MAX_SLOTS:
+    return (f"attend={attend} > {INT8_MAX_SLOTS} slots, where int8 "
+            "attention's int32 sums could overflow")
+  return None
+
+
+def from_cache(cache: cache_lib.KVCache, attend: int) -> LayeredKV:
+  """The first `attend` slots of `cache` as a LayeredKV.
+
+  Raises:
+    ValueError: `supports` says why not.
+  """
+  why = supports(cache, attend)
+  if why:
+    raise ValueError(f"layered decode cache: {why}")
+  L = cache.k.shape[0]
+
+  def split(arr):
+    return None if arr is None else tuple(arr[l, :, :, :attend]
+                                          for l in range(L))
+
+  return LayeredKV(k=split(cache.k), v=split(cache.v),
+                   k_scale=split(cache.k_scale), v_scale=split(cache.v_scale),
+                   positions=cache.positions[:, :attend], length=cache.length,
+                   errors=cache.errors, policy=cache.policy)
+
+
+def into_cache(cache: cache_lib.KVCache, layered: LayeredKV
+               ) -> cache_lib.KVCache:
+  """`cache` with its first S slots (the layered cache's), positions and
+  lengths taken from `layered` (the inverse of `from_cache`)."""
+  S = layered.capacity
+
+  def put(arr, parts):
+    return None if arr is None else arr.at[:, :, :, :S].set(jnp.stack(parts))
+
+  return cache.replace(
+      k=put(cache.k, layered.k), v=put(cache.v, layered.v),
+      k_scale=put(cache.k_scale, layered.k_scale),
+      v_scale=put(cache.v_scale, layered.v_scale),
+      positions=cache.positions.at[:, :S].set(layered.positions),
+      length=layered.length, errors=layered.errors)
+
+
+def write(layered: LayeredKV, layer: int, slots_BT, k_BTKH, v_BTKH
+          ) -> LayeredKV:
+  """Stores one decode token per sequence (T = 1) of static `layer` at
+  `slots` [B, 1] (slot = S: dropped), quantized if the policy says so."""
+  B, T = slots_BT.shape
+  if T != 1:
+    raise ValueError(f"LayeredKV holds decode steps only (T = 1), got T={T}")
+  dtype = layered.v[0].dtype
+  new = {}
+  for name, x_BKH in (("k", k_BTKH[:, 0]), ("v", v_BTKH[:, 0])):
+    codes_BKH, scale_BK = quant.quantize(x_BKH, dtype)
+    arrs = list(getattr(layered, name))
+    arrs[layer] = _put(arrs[layer], slots_BT[:, 0], codes_BKH)
+    new[name] = tuple(arrs)
+    if scale_BK is not None:
+      scales = list(getattr(layered, name + "_scale"))
+      scales[layer] = _put(scales[layer], slots_BT[:, 0], scale_BK)
+      new[name + "_scale"] = tuple(scales)
+  return layered.replace(**new)
+
+
+def _put(arr_BKS, s_B, new_BK):
+  """arr [B, K, S, ...] with row s_B[b] of every sequence b set to
+  new [B, K, ...] (s = S: unchanged).
+
+  Why a dynamic_update_slice at batch 1: XLA:CPU turns a one-sequence
+  scatter into a copy of the whole array (2.1x slower gqa-small decode
+  steps at 8k cached tokens); an update slice is done in place. It
+  clamps its start, so slot S writes back what slot S - 1 holds."""
+  B, S = arr_BKS.shape[0], arr_BKS.shape[2]
+  if B > 1:
+    return arr_BKS.at[jnp.arange(B), :, s_B].set(new_BK, mode="drop")
+  start = (0, 0, jnp.minimum(s_B[0], S - 1)) + (0,) * (arr_BKS.ndim - 3)
+  row = jnp.expand_dims(new_BK, 2)
+  old = jax.lax.dynamic_slice(arr_BKS, start, row.shape)
+  return jax.lax.dynamic_update_slice(
+      arr_BKS, jnp.where(s_B[0] < S, row, old), start)
+
+
+def read(layered: LayeredKV, layer: int, dtype, prefix: int = 0):
+  """One layer's keys and values: [B, K, S, H] in `dtype` (float caches),
+  or `Int8Rows` of the codes and scales (int8: read as stored)."""
+  del prefix  # a segment's layered copy is its attended prefix already
+  if layered.k_scale is not None:
+    return (Int8Rows(layered.k[layer], layered.k_scale[layer]),
+            Int8Rows(layered.v[layer], layered.v_scale[layer]))
+  return (quant.dequantize(layered.k[layer], None, dtype),
+          quant.dequantize(layered.v[layer], None, dtype))
+
+
+def int8_attend(q_BTKGH, k: Int8Rows, v: Int8Rows, mask_BKTS, scale: float):
+  """Decode attention (T = 1) of float queries over int8 keys and values
+  with integer dots (module docstring).
+
+  Returns:
+    out_BTKGH in q's dtype, probs_BKGTS (float32, of the int8 logits).
+  """
+  B, T, K, G, H = q_BTKGH.shape
+  if T != 1:
+    raise ValueError(f"int8_attend is decode attention (T = 1), got T={T}")
+  q_codes_BKGH, q_scale_BKG = quant.quantize(q_BTKGH[:, 0], jnp.int8)
+  # Keys as the dot's left operand, read in order (`attention.attend`).
+  dots_BKSG = jax.lax.dot_general(
+      k.codes, q_codes_BKGH, (((3,), (3,)), ((0, 1), (0, 1))),
+      preferred_element_type=jnp.int32)
+  logits_BKGS = (jnp.swapaxes(dots_BKSG, -1, -2).astype(jnp.float32) *
+                 q_scale_BKG[..., None] * k.scale[:, :, None])
+  probs_BKGS = attention.decode_probs(logits_BKGS, mask_BKTS, scale)
+  # Each token's value scale moves into its probability (both >= 0).
+  pv_BKGS = probs_BKGS * v.scale[:, :, None]
+  p_scale_BKG = jnp.max(pv_BKGS, axis=-1) / (2 * _P_OFFSET)
+  safe = jnp.where(p_scale_BKG > 0, p_scale_BKG, 1.0)[..., None]
+  codes_BKGS = (jnp.round(pv_BKGS / safe) - _P_OFFSET).astype(jnp.int8)
+  ones_BK1S = jnp.ones((B, K, 1, codes_BKGS.shape[-1]), jnp.int8)
+  sums_BKgH = jnp.einsum(
+      "BKGS,BKSH->BKGH", jnp.concatenate([codes_BKGS, ones_BK1S], axis=2),
+      v.codes, preferred_element_type=jnp.int32)
+  sums_BKGH = sums_BKgH[:, :, :G] + _P_OFFSET * sums_BKgH[:, :, G:]
+  out_BKGH = sums_BKGH.astype(jnp.float32) * p_scale_BKG[..., None]
+  return out_BKGH[:, None].astype(q_BTKGH.dtype), probs_BKGS[:, :, :, None]
+
+
+def _attend(q_BTKGH, keys, values, mask_BKTS, scale: float,
+            impl: str = "einsum"):
+  if isinstance(keys, Int8Rows):
+    return int8_attend(q_BTKGH, keys, values, mask_BKTS, scale)
+  return attention.attend(q_BTKGH, keys, values, mask_BKTS, scale, impl)
+
+
+attention.register_decode_cache(
+    LayeredKV, attention.DecodeCache(write=write, read=read, attend=_attend))
