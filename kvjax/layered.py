@@ -1,7 +1,9 @@
 """The decode loop's layered cache: one array per layer, and integer
 attention over int8 caches (GQA / MHA / MQA; `generate`'s decode).
 
-  LayeredKV  k, v              L × [B, K, S, H]   storage dtype
+  LayeredKV  k                 L × [B, K, S, H]   storage dtype
+             v                 L × [B, K, S, H]   float caches
+                               L × [B, K, H, S]   int8: values transposed
              k_scale, v_scale  L × [B, K, S]      int8 only (else None)
 
 S, the layered cache's slots, is the attended prefix of one `generate`
@@ -15,12 +17,26 @@ Why per-layer arrays: a decode step over the stacked cache reads each
 layer's `k[l, :, :, :S]`, which XLA:CPU copies before the dots (a strided
 slice of the [L, B, K, S', H] array); one array per layer is read in place.
 
-Why integer attention for int8 (`int8_attend`): on CPU, XLA converts an
-int8 slice to float32 in a separate elementwise pass at a few billion
-elements a second, slower than reading the float32 cache, so a dequantized
-int8 cache was no faster than a float32 one. Integer dots (int8 × int8,
-int32 accumulation: AVX-512 VNNI / AMX on the Intel host, IMMA on GPUs)
-read the codes directly:
+Why int8 caches attend with integer dots (`int8_attend`) instead of being
+converted to float32 first: XLA:CPU converts in a separate elementwise
+pass, at a few billion elements a second, slower than reading a float32
+cache, so a dequantized int8 cache was no faster than a float32 one. Its
+values are stored transposed, [H, S] per head, so that the value product
+reads them as its row-major left operand, contracting their minor axis
+(`V^T p`): 2.0x faster than `p V` over [S, H] codes at 8192 slots (for
+float32 `p V` is 1.2x faster than `V^T p`, so float values stay [S, H]).
+
+bfloat16 gets no such path: any in-place update of a bfloat16 array
+becomes a float32 conversion of the whole array on XLA:CPU (23.8 ms
+against 0.004 ms per one-row update of an [8, 2, 8192, 32] array), which
+is why caches store its bits (uint16, `kvjax.quant`); and a bitcast of
+those bits feeding a dot is materialised as a copy (0.9 ms per layer and
+step at that size), as slow as the conversion it replaces. bfloat16 dots
+over such copies measured no faster than the converted path, so bfloat16
+(and float16) caches are read converted, as on the stacked cache.
+
+Integer attention (int8 × int8 dots, int32 accumulation: AVX-512 VNNI /
+AMX on the Intel host, IMMA on GPUs) reads the codes directly:
 
   keys     the query is quantized per (sequence, head) row, symmetric
            int8 (as llama.cpp quantizes its activations for q8 dots):
@@ -56,12 +72,14 @@ from kvjax import quant
 INT8_MAX_SLOTS = (2**31 - 1) // (254 * 127)
 _P_OFFSET = 127  # codes c = round(p / p_scale) - 127 cover p in 255 levels
 LAYERED_DTYPES = ("float32", "bfloat16", "float16", "int8")
+TRANSPOSED = ("int8",)  # kv dtypes whose values are stored [B, K, H, S]
 
 
 @struct.dataclass
 class Int8Rows:
-  """int8 codes [..., S, W] and their float32 scales [..., S] (one per
-  token row): what a layered int8 cache reads, undequantized."""
+  """int8 codes and their float32 scales [..., S] (one per token): what a
+  layered int8 cache reads, undequantized. Keys' codes are [..., S, H],
+  values' transposed, [..., H, S]."""
   codes: jax.Array
   scale: jax.Array
 
@@ -70,9 +88,10 @@ class Int8Rows:
 class LayeredKV:
   """A decode segment's per-layer view of a `KVCache` (module docstring).
 
-  k, v: L-tuples of [B, K, S, H] in the policy's storage dtype; k_scale,
-  v_scale: L-tuples of [B, K, S] (int8) or None; positions [B, S];
-  length [B]; errors [B] (`kvjax.errors`).
+  k: L-tuple of [B, K, S, H] in the policy's storage dtype; v: the same,
+  or [B, K, H, S] for `TRANSPOSED` kv dtypes; k_scale, v_scale: L-tuples
+  of [B, K, S] (int8) or None; positions [B, S]; length [B]; errors [B]
+  (`kvjax.errors`).
   """
 
   k: tuple
@@ -88,7 +107,11 @@ class LayeredKV:
 
   @property
   def capacity(self) -> int:
-    return self.v[0].shape[2]
+    return self.k[0].shape[2]
+
+  @property
+  def transposed(self) -> bool:
+    return self.policy.kv_dtype in TRANSPOSED
 
 
 def supports(cache, attend: int) -> str | None:
@@ -124,11 +147,15 @@ def from_cache(cache: cache_lib.KVCache, attend: int) -> LayeredKV:
     raise ValueError(f"layered decode cache: {why}")
   L = cache.k.shape[0]
 
-  def split(arr):
-    return None if arr is None else tuple(arr[l, :, :, :attend]
-                                          for l in range(L))
+  def split(arr, transpose=False):
+    if arr is None:
+      return None
+    parts = tuple(arr[l, :, :, :attend] for l in range(L))
+    return tuple(jnp.swapaxes(x, -1, -2) for x in parts) if transpose else (
+        parts)
 
-  return LayeredKV(k=split(cache.k), v=split(cache.v),
+  transpose = cache.policy.kv_dtype in TRANSPOSED
+  return LayeredKV(k=split(cache.k), v=split(cache.v, transpose),
                    k_scale=split(cache.k_scale), v_scale=split(cache.v_scale),
                    positions=cache.positions[:, :attend], length=cache.length,
                    errors=cache.errors, policy=cache.policy)
@@ -143,8 +170,11 @@ def into_cache(cache: cache_lib.KVCache, layered: LayeredKV
   def put(arr, parts):
     return None if arr is None else arr.at[:, :, :, :S].set(jnp.stack(parts))
 
+  v = layered.v
+  if layered.transposed:
+    v = tuple(jnp.swapaxes(x, -1, -2) for x in v)
   return cache.replace(
-      k=put(cache.k, layered.k), v=put(cache.v, layered.v),
+      k=put(cache.k, layered.k), v=put(cache.v, v),
       k_scale=put(cache.k_scale, layered.k_scale),
       v_scale=put(cache.v_scale, layered.v_scale),
       positions=cache.positions.at[:, :S].set(layered.positions),
@@ -162,37 +192,41 @@ def write(layered: LayeredKV, layer: int, slots_BT, k_BTKH, v_BTKH
   new = {}
   for name, x_BKH in (("k", k_BTKH[:, 0]), ("v", v_BTKH[:, 0])):
     codes_BKH, scale_BK = quant.quantize(x_BKH, dtype)
+    slot_axis = 3 if name == "v" and layered.transposed else 2
     arrs = list(getattr(layered, name))
-    arrs[layer] = _put(arrs[layer], slots_BT[:, 0], codes_BKH)
+    arrs[layer] = _put(arrs[layer], slots_BT[:, 0], codes_BKH, slot_axis)
     new[name] = tuple(arrs)
     if scale_BK is not None:
       scales = list(getattr(layered, name + "_scale"))
-      scales[layer] = _put(scales[layer], slots_BT[:, 0], scale_BK)
+      scales[layer] = _put(scales[layer], slots_BT[:, 0], scale_BK, 2)
       new[name + "_scale"] = tuple(scales)
   return layered.replace(**new)
 
 
-def _put(arr_BKS, s_B, new_BK):
-  """arr [B, K, S, ...] with row s_B[b] of every sequence b set to
-  new [B, K, ...] (s = S: unchanged).
+def _put(arr, s_B, new, axis: int):
+  """arr [B, K, ...] with index s_B[b] of its slot `axis` set to new
+  [B, K, ...] (the slot axis removed) for every sequence b (s = S:
+  unchanged).
 
   Why a dynamic_update_slice at batch 1: XLA:CPU turns a one-sequence
-  scatter into a copy of the whole array (2.1x slower gqa-small decode
-  steps at 8k cached tokens); an update slice is done in place. It
-  clamps its start, so slot S writes back what slot S - 1 holds."""
-  B, S = arr_BKS.shape[0], arr_BKS.shape[2]
+  scatter into a copy of the whole array; an update slice is done in
+  place. It clamps its start, so slot S writes back what slot S - 1
+  holds."""
+  B, S = arr.shape[0], arr.shape[axis]
+  new = jnp.expand_dims(new, axis)
   if B > 1:
-    return arr_BKS.at[jnp.arange(B), :, s_B].set(new_BK, mode="drop")
-  start = (0, 0, jnp.minimum(s_B[0], S - 1)) + (0,) * (arr_BKS.ndim - 3)
-  row = jnp.expand_dims(new_BK, 2)
-  old = jax.lax.dynamic_slice(arr_BKS, start, row.shape)
-  return jax.lax.dynamic_update_slice(
-      arr_BKS, jnp.where(s_B[0] < S, row, old), start)
+    idx = (jnp.arange(B),) + (slice(None),) * (axis - 1) + (s_B,)
+    return arr.at[idx].set(jnp.squeeze(new, axis), mode="drop")
+  slot = jnp.minimum(s_B[0], S - 1)
+  start = tuple(slot if a == axis else 0 for a in range(arr.ndim))
+  old = jax.lax.dynamic_slice(arr, start, new.shape)
+  return jax.lax.dynamic_update_slice(arr, jnp.where(s_B[0] < S, new, old),
+                                      start)
 
 
 def read(layered: LayeredKV, layer: int, dtype, prefix: int = 0):
-  """One layer's keys and values: [B, K, S, H] in `dtype` (float caches),
-  or `Int8Rows` of the codes and scales (int8: read as stored)."""
+  """One layer's keys and values: float caches [B, K, S, H] each in
+  `dtype`; int8 ones as stored (`Int8Rows`, values transposed)."""
   del prefix  # a segment's layered copy is its attended prefix already
   if layered.k_scale is not None:
     return (Int8Rows(layered.k[layer], layered.k_scale[layer]),
@@ -202,8 +236,9 @@ def read(layered: LayeredKV, layer: int, dtype, prefix: int = 0):
 
 
 def int8_attend(q_BTKGH, k: Int8Rows, v: Int8Rows, mask_BKTS, scale: float):
-  """Decode attention (T = 1) of float queries over int8 keys and values
-  with integer dots (module docstring).
+  """Decode attention (T = 1) of float queries over int8 keys (codes
+  [B, K, S, H]) and values (codes transposed, [B, K, H, S]) with integer
+  dots (module docstring).
 
   Returns:
     out_BTKGH in q's dtype, probs_BKGTS (float32, of the int8 logits).
@@ -225,10 +260,12 @@ def int8_attend(q_BTKGH, k: Int8Rows, v: Int8Rows, mask_BKTS, scale: float):
   safe = jnp.where(p_scale_BKG > 0, p_scale_BKG, 1.0)[..., None]
   codes_BKGS = (jnp.round(pv_BKGS / safe) - _P_OFFSET).astype(jnp.int8)
   ones_BK1S = jnp.ones((B, K, 1, codes_BKGS.shape[-1]), jnp.int8)
-  sums_BKgH = jnp.einsum(
-      "BKGS,BKSH->BKGH", jnp.concatenate([codes_BKGS, ones_BK1S], axis=2),
-      v.codes, preferred_element_type=jnp.int32)
-  sums_BKGH = sums_BKgH[:, :, :G] + _P_OFFSET * sums_BKgH[:, :, G:]
+  sums_BKHg = jnp.einsum(
+      "BKHS,BKGS->BKHG", v.codes,
+      jnp.concatenate([codes_BKGS, ones_BK1S], axis=2),
+      preferred_element_type=jnp.int32)
+  sums_BKGH = jnp.swapaxes(
+      sums_BKHg[..., :G] + _P_OFFSET * sums_BKHg[..., G:], -1, -2)
   out_BKGH = sums_BKGH.astype(jnp.float32) * p_scale_BKG[..., None]
   return out_BKGH[:, None].astype(q_BTKGH.dtype), probs_BKGS[:, :, :, None]
 

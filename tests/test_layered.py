@@ -1,10 +1,11 @@
 """The decode loop's layered cache and integer attention (`kvjax.layered`).
 
 Invariants: a LayeredKV holds exactly the stacked cache's first P slots
-(round trip bit for bit, scales included); its one-token write lands where
-the stacked write does (batch 1's update slice and the batched scatter
-alike, slot P dropped); for float caches a `generate` over it gives the
-stacked generate's tokens, logits and cache exactly. For int8 caches the
+(round trip bit for bit, scales included, int8 values transposed); its
+one-token write lands where the stacked write does (batch 1's update slice
+and the batched scatter alike, slot P dropped); for float caches a
+`generate` over it gives the stacked generate's tokens, logits and cache
+exactly. For int8 caches the
 integer attention equals a float64 reference over the dequantized cache
 within int8's storage tolerance, slots it masks contribute exactly nothing
 whatever they hold, and teacher-forced decode writes the stacked cache's
@@ -180,13 +181,14 @@ class IntegerAttentionTest(parameterized.TestCase):
     mask_BKTS = jnp.broadcast_to(jnp.arange(S) < n, (B, 1, 1, S))
     k, v = layered.read(layered.from_cache(cache, S), 0, jnp.float32)
     keep = (jnp.arange(S) < n)[None, None, :]
-    zeroed_v = layered.Int8Rows(jnp.where(keep[..., None], v.codes, 0),
+    # Values are stored transposed: codes [B, K, H, S].
+    zeroed_v = layered.Int8Rows(jnp.where(keep[:, :, None], v.codes, 0),
                                 jnp.where(keep, v.scale, 0.0))
     attend = jax.jit(layered.int8_attend, static_argnums=4)
     got, _ = attend(q_BTKGH, k, v, mask_BKTS, 0.3)
     want, _ = attend(q_BTKGH, k, zeroed_v, mask_BKTS, 0.3)
     np.testing.assert_array_equal(got, want)
-    self.assertGreater(float(jnp.max(jnp.abs(v.codes[:, :, n:]))), 100)
+    self.assertGreater(float(jnp.max(jnp.abs(v.codes[..., n:]))), 100)
 
   def test_int32_sums_are_refused_where_they_could_overflow(self):
     self.assertGreaterEqual(layered.INT8_MAX_SLOTS, 65_536)  # 64k contexts
@@ -208,7 +210,7 @@ class GenerateTest(parameterized.TestCase):
                                return_cache=True, decode_layout=layout, **kw)
             for layout in ("stacked", "layered")]
 
-  @cases.product(kind=("mha", "mqa", "gqa"), dtype=("float32", "bfloat16"),
+  @cases.product(kind=("mha", "mqa", "gqa"), dtype=("float32", "bfloat16", "float16"),
                  batch=(1, 3),
                  slow=lambda kind, dtype, batch: (kind, dtype) != ("gqa",
                                                                   "float32"))
@@ -261,6 +263,7 @@ class GenerateTest(parameterized.TestCase):
     for name in ("positions", "length", "errors"):
       np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
     assert_close(out["layered"][1], out["stacked"][1], config, cache="int8")
+
 
 
 class PlanTest(parameterized.TestCase):
