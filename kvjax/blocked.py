@@ -19,9 +19,12 @@ Per-layer arrays remove the copies; keys in [H, X] blocks make the key
 product a batched `[G, H] @ [H, X]` over contiguous 16 KB blocks, which
 YNNPACK streams ~2.4× faster from memory. Together with RoPE tables carried
 in the decode loop (`model.decode_rope`): 7–9 % faster batch-8 decode steps
-for gqa-medium. At batch 1 XLA turns each one-token scatter into a copy of
-the layer's array (−9 %) and at batch 2 nothing is gained, so 'auto'
-blocks from `decode.BLOCKED_MIN_BATCH` sequences on.
+for gqa-medium when it was added. Re-measured beside the layered cache
+(`kvjax.layered`: per-layer arrays, keys transposed whole), it was 0.93-
+0.96x the stacked cache for gqa-medium at batch 8 (32-step loops at 512 and
+2048 slots, and whole generate calls), where the layered one was 0.95-
+1.61x; 'auto' no longer picks it, and `decode_layout='blocked'` still
+runs it.
 
 `BlockedKV` is a decode cache kind (`attention.DecodeCache`, registered
 below): the attention code reads it through that protocol, unaware of its

@@ -43,17 +43,17 @@ DECODE_LAYOUTS = ("auto", "stacked", "blocked", "layered")
 # Segment views: modules with supports / from_cache / into_cache and a
 # registered decode cache kind (`attention.register_decode_cache`).
 _VIEWS = {"blocked": blocked, "layered": layered}
-# 'auto' blocks from this batch on: whole-generate speedups 1.001 at batch 2,
-# 1.010 at 4, 1.053 at 8, 1.104 at 16 (gqa-medium; WORKSPACE.md). Below it
-# the segment copies would only add compile time.
-BLOCKED_MIN_BATCH = 4
+# 'auto' reads float caches layered from this batch on: at batch 1 a float
+# per-layer array measured 0.5x the stacked step (gqa-small, 8192 slots).
+LAYERED_MIN_BATCH = 4
 # 'auto' reads float caches layered (`kvjax.layered`) in segments attending
-# this many slots or more (batch >= BLOCKED_MIN_BATCH): per-layer arrays,
-# keys unblocked, measured 1.61x the stacked and 1.30x the blocked step for
-# gqa-medium at batch 8 and 4096 cached tokens, but 0.85x / 0.92x at 512
-# (WORKSPACE.md "Quantized caches"). int8 caches read layered at every
-# batch and length (integer attention).
-LAYERED_MIN_SLOTS = 4096
+# this many slots or more, from LAYERED_MIN_BATCH sequences on (gqa-medium,
+# batch 8, 32-step loops against the stacked cache: 0.95x at 512 slots,
+# 1.12x at 2048, 1.61x at 4096; WORKSPACE.md "Quantized caches"), and int8
+# caches layered at every batch and length (integer attention). Nothing
+# picks 'blocked' by itself any more: it measured 0.93-0.96x the stacked
+# cache at those points and in whole generate calls.
+LAYERED_MIN_SLOTS = 2048
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,9 +147,9 @@ def plan(params, config: ModelConfig, policy: cache_lib.CachePolicy,
   `kvjax.packed.for_decode` gives on CPU); 'blocked' a float cache,
   'layered' a `layered.LAYERED_DTYPES` one with per-token keys. 'auto'
   (CPU params, where they were measured): 'layered' for int8 caches at
-  every batch; for float caches from BLOCKED_MIN_BATCH sequences on,
-  'layered' in segments attending LAYERED_MIN_SLOTS slots or more and
-  'blocked' in shorter ones; else 'stacked'.
+  every batch; for float caches from LAYERED_MIN_BATCH sequences on,
+  'layered' in segments attending LAYERED_MIN_SLOTS slots or more; else
+  'stacked'.
 
   Raises:
     ValueError: an unknown decode_layout, or a view where it cannot run.
@@ -172,22 +172,15 @@ def plan(params, config: ModelConfig, policy: cache_lib.CachePolicy,
     return Plan(schedule, decode_layout)
   if platform(params) != "cpu":
     return Plan(schedule)
+  if _why_not("layered", schedule, params, config, policy):
+    return Plan(schedule)
   if policy.quantized:
-    choice = "layered"
-  elif batch >= BLOCKED_MIN_BATCH:
-    choice = "blocked"
-  else:
-    return Plan(schedule)
-  if _why_not(choice, schedule, params, config, policy):
-    return Plan(schedule)
-  if choice == "layered":
     return Plan(schedule, "layered")
-  # Float caches: blocked below LAYERED_MIN_SLOTS attended slots, layered
-  # from there on.
-  return Plan(schedule, "blocked", tuple(
-      "layered" if (attend or capacity) >= LAYERED_MIN_SLOTS and
-      not _why_not("layered", schedule, params, config, policy) else
-      "blocked" for _, attend in schedule))
+  if batch < LAYERED_MIN_BATCH:
+    return Plan(schedule)
+  layouts = tuple("layered" if (attend or capacity) >= LAYERED_MIN_SLOTS
+                  else "stacked" for _, attend in schedule)
+  return Plan(schedule, layouts[-1], layouts)
 
 
 def _why_not(layout: str, schedule, params, config: ModelConfig,

@@ -362,7 +362,7 @@ def default_capacity(prompt_len: int, max_new_tokens: int) -> int:
 # The decode loop's knobs, where generate's users look for them.
 attention_schedule = decode.attention_schedule
 bucket_length = decode.bucket_length
-BLOCKED_MIN_BATCH = decode.BLOCKED_MIN_BATCH
+LAYERED_MIN_BATCH = decode.LAYERED_MIN_BATCH
 
 
 def _generation_inputs(params, config, tokens, max_new_tokens, attention_mask,
@@ -549,10 +549,9 @@ def generate(params, config: ModelConfig, tokens, max_new_tokens: int, *,
       While a segment runs its copy is held beside the cache (up to one
       cache of temporaries). 'auto' (default), with params on CPU (where
       it was measured): 'layered' for int8 caches; for float caches at
-      batch >= `BLOCKED_MIN_BATCH` (4), 'layered' in segments attending
-      `decode.LAYERED_MIN_SLOTS` (4096) slots or more and 'blocked' in
-      shorter ones; else 'stacked' (at batch 1 XLA:CPU copies a float
-      per-layer array on each one-token write).
+      batch >= `LAYERED_MIN_BATCH` (4), 'layered' in segments attending
+      `decode.LAYERED_MIN_SLOTS` (2048) slots or more; else 'stacked' (a
+      float per-layer array measured 0.5x the stacked step at batch 1).
   Returns:
     new ids [B, max_new_tokens]; with return_logits / return_cache a tuple
     (ids, logits [B, max_new_tokens, V] or None, cache or None).

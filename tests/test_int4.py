@@ -36,6 +36,7 @@ import kvjax
 from kvjax import blocked
 from kvjax import decode
 from kvjax import engine as E
+from kvjax import layered
 from kvjax import paged as pg
 from kvjax import quant
 from kvjax.lab import published
@@ -260,18 +261,22 @@ class PagedTest(parameterized.TestCase):
 
 class BlockedTest(parameterized.TestCase):
 
-  def test_blocked_declines_int4_and_auto_falls_back(self):
+  def test_views_decline_int4_and_auto_falls_back(self):
     config = tiny("gqa")
     params = kvjax.pack(tiny_params("gqa"), config)
-    cache = kvjax.init_cache(config, 8, 256, policy=INT4)
+    cache = kvjax.init_cache(config, 8, 4096, policy=INT4)
     self.assertIn("kv_dtype='int4'", blocked.supports(cache, 128))
-    self.assertFalse(decode.plan(params, config, INT4, 8, 64, 128,
-                                 256).blocked)
-    self.assertTrue(decode.plan(params, config, kvjax.CachePolicy(), 8, 64,
-                                128, 256).blocked)  # float32 would block
-    with self.assertRaisesRegex(ValueError, "kv_dtype='int4'"):
-      kvjax.generate(params, config, jnp.zeros((2, 8), jnp.int32), 20,
-                     policy=INT4, decode_layout="blocked")
+    self.assertIn("kv_dtype='int4'", layered.supports(cache, 128))
+    self.assertEqual(decode.plan(params, config, INT4, 8, 64, 3000,
+                                 4096).layout, "stacked")
+    # A float32 or int8 cache would be read layered there.
+    for policy in (kvjax.CachePolicy(), kvjax.CachePolicy(kv_dtype="int8")):
+      self.assertEqual(decode.plan(params, config, policy, 8, 64, 3000,
+                                   4096).layout, "layered")
+    for layout in ("blocked", "layered"):
+      with self.assertRaisesRegex(ValueError, "kv_dtype='int4'"):
+        kvjax.generate(params, config, jnp.zeros((2, 8), jnp.int32), 20,
+                       policy=INT4, decode_layout=layout)
 
 
 class BadInputTest(parameterized.TestCase):

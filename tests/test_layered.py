@@ -1,11 +1,12 @@
 """The decode loop's layered cache and integer attention (`kvjax.layered`).
 
 Invariants: a LayeredKV holds exactly the stacked cache's first P slots
-(round trip bit for bit, scales included, int8 values transposed); its
+(round trip bit for bit, scales included, keys and int8 values
+transposed); its
 one-token write lands where the stacked write does (batch 1's update slice
 and the batched scatter alike, slot P dropped); for float caches a
-`generate` over it gives the stacked generate's tokens, logits and cache
-exactly. For int8 caches the
+`generate` over it gives the stacked generate's tokens, and its logits and
+cache up to float reassociation. For int8 caches the
 integer attention equals a float64 reference over the dequantized cache
 within int8's storage tolerance, slots it masks contribute exactly nothing
 whatever they hold, and teacher-forced decode writes the stacked cache's
@@ -76,10 +77,13 @@ class LayoutTest(parameterized.TestCase):
     seg = layered.from_cache(cache, 192)
     L, B, K, _, H = cache.k.shape
     self.assertLen(seg.k, L)
-    chex.assert_shape(seg.k[0], (B, K, 192, H))
+    chex.assert_shape(seg.k[0], (B, K, H, 192))  # keys transposed
+    chex.assert_shape(seg.v[0], (B, K, H, 192) if dtype == "int8" else
+                      (B, K, 192, H))
     self.assertEqual(seg.capacity, 192)
     self.assertEqual(seg.k_scale is None, dtype != "int8")
-    np.testing.assert_array_equal(seg.k[1], cache.k[1, :, :, :192])
+    np.testing.assert_array_equal(seg.k[1],
+                                  jnp.swapaxes(cache.k[1, :, :, :192], -1, -2))
     chex.assert_trees_all_equal(layered.into_cache(cache, seg), cache)
 
   def test_into_cache_takes_the_segment_slots_only(self):
@@ -214,7 +218,7 @@ class GenerateTest(parameterized.TestCase):
                  batch=(1, 3),
                  slow=lambda kind, dtype, batch: (kind, dtype) != ("gqa",
                                                                   "float32"))
-  def test_float_caches_give_the_stacked_results_exactly(self, kind, dtype,
+  def test_float_caches_give_the_stacked_results(self, kind, dtype,
                                                          batch):
     config = tiny(kind)
     params = kvjax.pack(tiny_params(kind), config)
@@ -223,9 +227,16 @@ class GenerateTest(parameterized.TestCase):
     (ids_a, lg_a, c_a), (ids_b, lg_b, c_b) = self._both(
         config, params, tokens, 110,
         policy=cache_lib.CachePolicy(kv_dtype=dtype))
+    # Same tokens; logits and cache up to float reassociation (the key
+    # product runs as q K^T over transposed keys), as `kvjax.tolerance`.
     np.testing.assert_array_equal(ids_a, ids_b)
-    np.testing.assert_array_equal(lg_a, lg_b)
-    chex.assert_trees_all_equal(c_a, c_b)
+    assert_close(lg_b, lg_a, config, cache=dtype)
+    for name in ("k", "v"):
+      assert_close(quant.dequantize(getattr(c_b, name), None, jnp.float32),
+                   quant.dequantize(getattr(c_a, name), None, jnp.float32),
+                   config, cache=dtype, msg=name)
+    for name in ("positions", "length", "errors"):
+      np.testing.assert_array_equal(getattr(c_a, name), getattr(c_b, name))
 
   @cases.product(batch=(1, 3))
   def test_int8_writes_the_stacked_cache_and_keeps_the_logits(self, batch):
@@ -288,14 +299,14 @@ class PlanTest(parameterized.TestCase):
           {"layered"})
 
   def test_auto_reads_float_caches_layered_in_long_segments_only(self):
-    plan = self._plan(batch=8, prompt=2000, steps=2500)
+    plan = self._plan(batch=8, prompt=1000, steps=2500)
     attends = [a for _, a in plan.schedule]
     self.assertEqual(
         [plan.segment_layout(i) for i in range(len(attends))],
-        ["layered" if a >= decode.LAYERED_MIN_SLOTS else "blocked"
+        ["layered" if a >= decode.LAYERED_MIN_SLOTS else "stacked"
          for a in attends])
     self.assertIn("layered", plan.layouts)
-    self.assertIn("blocked", plan.layouts)
+    self.assertIn("stacked", plan.layouts)
     self.assertEqual(self._plan(batch=1).layout, "stacked")
 
   @parameterized.named_parameters(
