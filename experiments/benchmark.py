@@ -108,8 +108,12 @@ _SWEEP_BATCHES = cli.DEFINE_int_list("sweep_batches", [1, 8],
                                      "Batches of the sweep.", lower_bound=1)
 _SWEEP_DTYPES = cli.DEFINE_choice_list(
     "sweep_dtypes", list(KV_DTYPES), bm.CACHE_KINDS,
-    "Cache kinds of the sweep: kv dtypes (float32, bfloat16, float16, int8) "
-    "or int8-kivi (per-channel int8 keys).")
+    "Cache kinds of the sweep (the first is the baseline of its speed-ups): "
+    "kv dtypes (float32, bfloat16, float16, int8, int4) or int8-kivi "
+    "(per-channel int8 keys).")
+_SWEEP_STEPS = flags.DEFINE_integer(
+    "sweep_steps", 16, "Decode steps per timed loop of the sweep.",
+    lower_bound=1)
 
 
 def _size() -> str:
@@ -491,27 +495,37 @@ def run_quant():
 # ---- sweep (issue 7.6) ------------------------------------------------------
 def run_sweep():
   contexts, batches = _SWEEP_CONTEXTS.value, _SWEEP_BATCHES.value
-  out = dict(size=_size(), contexts=contexts, batches=batches, rows=[])
+  kinds = _SWEEP_DTYPES.value
+  probe = bm.read_bandwidth()
+  out = dict(size=_size(), contexts=contexts, batches=batches, kinds=kinds,
+             steps=_SWEEP_STEPS.value, read_probe=probe, rows=[],
+             machine=bm.machine_info())
   configs = [(label, c) for label, c in _variant_rows()
              if not label.endswith("naive")]
-  report = _Partial("sweep", len(configs) * len(_SWEEP_DTYPES.value) *
-                    len(batches) * len(contexts))
+  report = _Partial("sweep", len(configs) * len(kinds) * len(batches) *
+                    len(contexts))
   for label, config in configs:
     params = _params(config)
-    for dt in _SWEEP_DTYPES.value:
-      for B in batches:
-        for ctx in contexts:
-          s = bm.decode_step_seconds(params, config, B, ctx, steps=4,
-                                     repeats=3, kv_dtype=dt)
-          need = bm.decode_bytes_per_step(params, config, B, ctx + 1, dt)
-          out["rows"].append(dict(variant=label, kv_dtype=dt, batch=B,
-                                  context=ctx, step_s=s["step_s"],
-                                  loop=s["loop"], bytes=need))
-          report(out["rows"][-1],
-                 "%-13s %-9s b%-3d ctx %5d: %.2f ms/step (cache %.0f%% of "
-                 "the bytes)" % (label, dt, B, ctx, 1e3 * s["step_s"],
-                                 100 * need["cache"] / need["total"]))
+    for B in batches:
+      for ctx in contexts:
+        timed = bm.decode_steps_alternating(
+            params, config, B, ctx, kinds, steps=_SWEEP_STEPS.value,
+            repeats=_REPEATS.value)
+        for kind, t in timed.items():
+          need = bm.decode_bytes_per_step(params, config, B, ctx + 1, kind)
+          row = dict(variant=label, kv_dtype=kind, batch=B, context=ctx,
+                     bytes=need, **t)
+          row["of_read_probe"] = (need["total"] / t["step_s"] /
+                                  probe["bytes_per_s"])
+          out["rows"].append(row)
+          report(row, "%-13s %-9s b%-3d ctx %5d: %7.2f ms/step, %5.2fx %s "
+                 "(%s), cache %3.0f%% of %6.1f MB, %3.0f%% of the read "
+                 "probe" % (label, kind, B, ctx, 1e3 * t["step_s"],
+                            t["vs_first"], kinds[0], t["layout"],
+                            100 * need["cache"] / need["total"],
+                            need["total"] / 1e6, 100 * row["of_read_probe"]))
     del params
+  out["read_probe_after"] = bm.read_bandwidth()
   report.close()
   _save("sweep", out, bm.plot_sweep)
 

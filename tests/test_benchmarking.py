@@ -224,6 +224,29 @@ class FilledCacheTest(parameterized.TestCase):
       bm.filled_cache(tiny("gqa"), 1, 8, 9)
 
 
+class DecodeStepsTest(parameterized.TestCase):
+
+  def test_alternating_kinds_report_their_layout_and_speed_up(self):
+    config = tiny("gqa")
+    # Packed, as generate lays out wider models itself (`packed.for_decode`).
+    params = kvjax.pack(kvjax.init_params(config, jax.random.key(0)), config)
+    out = bm.decode_steps_alternating(params, config, 2, 20,
+                                      ("float32", "int8", "int4"), steps=2,
+                                      warmup=1, repeats=2)
+    self.assertEqual(list(out), ["float32", "int8", "int4"])
+    # The layouts generate would read: int8 layered, int4 stacked.
+    self.assertEqual([out[k]["layout"] for k in out],
+                     ["stacked", "layered", "stacked"])
+    self.assertEqual(out["float32"]["rounds"], (1.0, 1.0))
+    for k, t in out.items():
+      self.assertLen(t["rounds"], 2)
+      self.assertAlmostEqual(t["step_s"], t["loop"]["median_s"] / 2)
+      self.assertGreater(t["vs_first"], 0)
+      self.assertGreaterEqual(t["capacity"], 20 + 2 * 3)
+    with self.assertRaisesRegex(ValueError, "kv_dtypes is empty"):
+      bm.decode_steps_alternating(params, config, 1, 4, ())
+
+
 # The first variant of each attention kind: one KVCache, one LatentCache.
 KINDS = tuple({model_presets.model_dict(v, "tiny")["attention"]: v
                for v in reversed(VARIANTS)}.values())

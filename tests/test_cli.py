@@ -250,20 +250,26 @@ class PlotLabelsTest(absltest.TestCase):
 
   def test_sweep_has_spread_and_two_short_legends(self):
     rows = [dict(variant=v, kv_dtype=k, batch=b, context=c,
-                 **self._timed(1.0 + c / 1000))
+                 bytes=dict(total=b * c * 1000), **self._timed(1.0 + c / 1000))
             for v in ("gqa", "mla-absorbed") for k in ("float32", "int8")
             for b in (1, 8) for c in (256, 512)]
     with tempfile.TemporaryDirectory() as tmp:
       labels = bm.plot_sweep(dict(size="small", contexts=[256, 512],
-                                  batches=[1, 8], rows=rows),
+                                  batches=[1, 8], rows=rows,
+                                  read_probe=dict(bytes_per_s=2e10)),
                              os.path.join(tmp, "s.png"))
     self.assertIn("medians of 3 timed repeats, bars: min-max",
                   labels["suptitle"])
     self.assertEqual(labels["legends"],
                      {"variant (colour)": ["gqa", "mla-absorbed"],
-                      "cache (line)": ["float32", "int8"]})
+                      "cache (line)": ["float32", "int8"],
+                      "time to read them at": [
+                          "100% of the read probe (20.0 GB/s)",
+                          "60% of the read probe (20.0 GB/s)"]})
     self.assertEqual(labels["ylabels"][0], "milliseconds per decode step")
-    self.assertEqual(labels["titles"], ["batch 1", "batch 8"])
+    # Last panel: the cache-bytes law against the run's read probe.
+    self.assertEqual(labels["titles"],
+                     ["batch 1", "batch 8", "every batch and context"])
 
   def test_step_spread_is_per_step(self):
     self.assertEqual(bm.step_ms_spread(self._timed(2.0)), (2.0, 1.5, 3.0, 3))

@@ -722,24 +722,17 @@ def error_check_cost(params, config: ModelConfig, batch: int, position: int,
               batch=batch, position=position, steps=steps)
 
 
-def decode_step_seconds(params, config: ModelConfig, batch: int,
-                        position: int, *, steps: int = 8, warmup: int = 1,
-                        repeats: int = 5, kv_dtype: str = "float32",
-                        capacity: int | None = None) -> dict[str, Any]:
-  """Per-step decode latency with `position` tokens already cached.
-
-  Times `decode_loop` over `steps` steps (the loop `generate` runs, with
-  the layout it would choose: `timing_plan`; no per-call dispatch) and
-  divides by `steps`. The cache is sized to what the
-  run needs unless `capacity` is given (attention reads every slot).
-
-  Returns:
-    step_s (median), Timing dict of the whole loops, capacity, tokens_per_s.
-  """
+def _decode_runner(params, config: ModelConfig, batch: int, position: int,
+                   steps: int, kv_dtype: str, capacity: int | None,
+                   calls: int):
+  """(run, state): `run()` times nothing itself; it runs `decode_loop` for
+  `steps` steps from a cache holding `position` tokens (sized for `calls`
+  calls unless `capacity` is given), laid out as generate would
+  (`timing_plan`); state[0] is the cache after the last call."""
   if position < 0 or steps < 1:
     raise ValueError(f"position must be >= 0 and steps >= 1, got {position},"
                      f" {steps}")
-  need = position + steps * (warmup + repeats)
+  need = position + steps * calls
   policy = cache_policy(kv_dtype)
   if not capacity:
     need = policy.round_capacity(need)
@@ -756,11 +749,65 @@ def decode_step_seconds(params, config: ModelConfig, batch: int,
     out, state[0] = decode_loop(params, config, tok, state[0], steps, plan)
     return out
 
+  return run, state, capacity, plan
+
+
+def decode_step_seconds(params, config: ModelConfig, batch: int,
+                        position: int, *, steps: int = 8, warmup: int = 1,
+                        repeats: int = 5, kv_dtype: str = "float32",
+                        capacity: int | None = None) -> dict[str, Any]:
+  """Per-step decode latency with `position` tokens already cached.
+
+  Times `decode_loop` over `steps` steps (the loop `generate` runs, with
+  the layout it would choose: `timing_plan`; no per-call dispatch) and
+  divides by `steps`. The cache is sized to what the
+  run needs unless `capacity` is given (attention reads every slot).
+
+  Returns:
+    step_s (median), Timing dict of the whole loops, capacity, tokens_per_s.
+  """
+  run, state, capacity, _ = _decode_runner(
+      params, config, batch, position, steps, kv_dtype, capacity,
+      warmup + repeats)
   t = time_fn(run, warmup=warmup, repeats=repeats)
   errors.raise_if_set(state[0], "decode_step_seconds")
   step = t.median / steps
   return dict(step_s=step, tokens_per_s=batch / step, capacity=capacity,
               loop=t.to_dict())
+
+
+def decode_steps_alternating(params, config: ModelConfig, batch: int,
+                             position: int, kv_dtypes, *, steps: int = 16,
+                             warmup: int = 1, repeats: int = 5
+                             ) -> dict[str, dict[str, Any]]:
+  """`decode_step_seconds` for several cache kinds, timed in alternating
+  rounds (`time_alternating`), so that their ratios share the load drift.
+
+  Why `steps` 16 by default: a timed loop is one decode segment, and a
+  layered segment copies its cache in and out once (`kvjax.layered`); in
+  generate a segment runs as many steps as it has slots to fill, so short
+  timed loops would overstate that copy.
+
+  Returns:
+    per kind: step_s (median), loop (Timing dict), layout (what the
+    segment read), vs_first (median over rounds of the first kind's loop
+    time / this kind's: its speed-up), rounds (those per-round ratios).
+  """
+  kinds = list(kv_dtypes)
+  if not kinds:
+    raise ValueError("kv_dtypes is empty")
+  runners = {k: _decode_runner(params, config, batch, position, steps, k,
+                               None, warmup + repeats) for k in kinds}
+  t = time_alternating({k: r[0] for k, r in runners.items()},
+                       warmup=warmup, repeats=repeats)
+  out = {}
+  for k, (_, state, capacity, plan) in runners.items():
+    errors.raise_if_set(state[0], "decode_steps_alternating")
+    ratios = paired_ratios(t[kinds[0]].seconds, t[k].seconds)
+    out[k] = dict(step_s=t[k].median / steps, loop=t[k].to_dict(),
+                  layout=plan.layout, capacity=capacity,
+                  vs_first=statistics.median(ratios), rounds=ratios)
+  return out
 
 
 def no_cache_step_seconds(params, config: ModelConfig, batch: int,
@@ -1107,7 +1154,10 @@ def plot_sweep(result: Mapping[str, Any], path) -> dict[str, Any]:
   """Decode step time against context, one panel per batch (`sweep.json`'s
   dict): colour = attention variant, line style and marker = cache kind;
   medians, bars from min to max of the repeats; two legends beside the
-  panels instead of one entry per (variant, kind)."""
+  panels instead of one entry per (variant, kind). With the run's read
+  probe, a last panel plots every point's step time against the bytes it
+  must read, beside the times the probe's bandwidth (and 60 % of it) would
+  take: the cache-bytes law."""
   from matplotlib.lines import Line2D  # pylint: disable=g-import-not-at-top
   plt = _pyplot()
   rows = result["rows"]
@@ -1116,9 +1166,31 @@ def plot_sweep(result: Mapping[str, Any], path) -> dict[str, Any]:
   batches = result["batches"]
   styles = ("-", "--", ":", "-.", (0, (5, 1)), (0, (3, 1, 1, 1)))
   markers = ("o", "s", "^", "D", "v", "P")
-  fig, axes = plt.subplots(1, len(batches), figsize=(5.2 * len(batches), 4.4),
+  probe = result.get("read_probe", {}).get("bytes_per_s")
+  panels = len(batches) + (1 if probe else 0)
+  fig, axes = plt.subplots(1, panels, figsize=(5.2 * panels, 4.4),
                            squeeze=False, sharey=True)
   n = 0
+  if probe:  # the cache-bytes law: time against the bytes a step must read
+    ax = axes[0][-1]
+    for vi, variant in enumerate(variants):
+      for ki, kind in enumerate(kinds):
+        mine = [r for r in rows if r["variant"] == variant and
+                r["kv_dtype"] == kind]
+        ax.plot([r["bytes"]["total"] / 1e6 for r in mine],
+                [1e3 * r["step_s"] for r in mine], ls="none",
+                color=f"C{vi}", marker=markers[ki % len(markers)], ms=4,
+                alpha=0.8)
+    mb = sorted(r["bytes"]["total"] / 1e6 for r in rows)
+    for frac, ls in ((1.0, "-"), (0.6, "--")):
+      ax.plot([mb[0], mb[-1]], [x * 1e9 / (frac * probe) for x in
+                                (mb[0], mb[-1])], color="gray", ls=ls,
+              lw=1, label=f"{frac:.0%} of the read probe "
+                          f"({probe / 1e9:.1f} GB/s)")
+    ax.set(xscale="log", yscale="log", xlabel="MB a step must read "
+           "(weights + cache)", title="every batch and context")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(title="time to read them at", fontsize=7, loc="upper left")
   for ax, B in zip(axes[0], batches):
     for vi, variant in enumerate(variants):
       for ki, kind in enumerate(kinds):
