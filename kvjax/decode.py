@@ -142,7 +142,8 @@ def plan(params, config: ModelConfig, policy: cache_lib.CachePolicy,
   benchmarks call it with the same arguments, so they time the same loop.
 
   The attention schedule needs eviction 'none', positions 'original', no
-  stop tokens (the while_loop has one body) and no sharding plan. Both
+  stop tokens (the while_loop has one body) and no sharding plan; without
+  `attend_buckets` it is one segment over the whole cache. Both
   views need the schedule, attention 'gqa' and per-layer params (what
   `kvjax.packed.for_decode` gives on CPU); 'blocked' a float cache,
   'layered' a `layered.LAYERED_DTYPES` one with per-token keys. 'auto'
@@ -158,11 +159,14 @@ def plan(params, config: ModelConfig, policy: cache_lib.CachePolicy,
     raise ValueError(f"decode_layout={decode_layout!r} is not one of "
                      f"{DECODE_LAYOUTS}")
   schedule = None
-  if (attend_buckets and not policy.bounded and
-      policy.positions == "original" and not stops and not sharded):
+  if (not policy.bounded and policy.positions == "original" and not stops
+      and not sharded):
+    # Without buckets: one segment over the whole cache (what run does for
+    # schedule None), so that a view can still read it.
     schedule = attention_schedule(
         prompt_len, steps, capacity,
-        policy.key_group if policy.channel_keys else 1)
+        policy.key_group if policy.channel_keys else 1) if attend_buckets \
+        else ((steps, 0),)
   if decode_layout == "stacked":
     return Plan(schedule)
   if decode_layout != "auto":
@@ -187,9 +191,8 @@ def _why_not(layout: str, schedule, params, config: ModelConfig,
              policy: cache_lib.CachePolicy) -> str | None:
   """Why `layout` (a view) cannot run this loop, or None."""
   if schedule is None:
-    return ("it runs the attention segments, which need attend_buckets, "
-            "eviction='none', positions='original', no stop tokens and no "
-            "shardings")
+    return ("it runs decode segments, which need eviction='none', "
+            "positions='original', no stop tokens and no shardings")
   if config.attention != "gqa":
     return f"attention={config.attention!r} has no per-head keys"
   if layout == "blocked" and policy.quantized:

@@ -265,8 +265,7 @@ class GenerateTest(parameterized.TestCase):
       ("scan", dict(layout="scan"), "per-layer arrays"),
       ("int8", dict(policy=cache_lib.CachePolicy(kv_dtype="int8")),
        "kv_dtype='int8'"),
-      ("stop_tokens", dict(stop_tokens=(1,)), "attention segments"),
-      ("whole_cache", dict(attend_buckets=False), "attention segments"),
+      ("stop_tokens", dict(stop_tokens=(1,)), "decode segments"),
   )
   def test_blocked_where_it_cannot_run_raises(self, kw, match):
     kw = dict(kw)

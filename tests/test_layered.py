@@ -29,6 +29,7 @@ from kvjax import decode
 from kvjax import inference
 from kvjax import layered
 from kvjax import quant
+from kvjax.lab import streaming
 from kvjax.tolerance import assert_close
 import cases
 from tiny_models import tiny, tiny_params
@@ -322,11 +323,26 @@ class PlanTest(parameterized.TestCase):
       ("int4", dict(dtype="int4"), "kv_dtype='int4'"),
       ("mla", dict(kind="mla"), "attention='mla'"),
       ("scan", dict(layout="scan"), "per-layer arrays"),
-      ("window", dict(eviction="window"), "attention segments"),
+      ("window", dict(eviction="window"), "decode segments"),
   )
   def test_layered_where_it_cannot_run_raises(self, kw, match):
     with self.assertRaisesRegex(ValueError, match):
       self._plan(decode_layout="layered", **kw)
+
+  def test_the_streaming_evaluation_reads_what_generate_reads(self):
+    # Perplexity through an int8 cache measures the integer attention
+    # generate runs, over the whole cache in one segment.
+    config = tiny("gqa")
+    params = kvjax.pack(tiny_params("gqa"), config)
+    tokens = jnp.zeros((2, 10), jnp.int32)
+    for dtype, eviction, want in (("int8", "none", "layered"),
+                                  ("int8", "window", "stacked"),
+                                  ("float32", "none", "stacked")):
+      cache = kvjax.init_cache(config, 2, 64, policy=cache_lib.CachePolicy(
+          kv_dtype=dtype, eviction=eviction))
+      plan = streaming._plan(params, config, tokens, cache)  # pylint: disable=protected-access
+      self.assertEqual(plan.layout, want, (dtype, eviction))
+    self.assertEqual(plan.schedule, ((10, 0),))
 
   def test_attention_reads_it_through_the_decode_cache_protocol(self):
     self.assertNotIn("layered", vars(attention))

@@ -59,11 +59,22 @@ def _as_Bt(tokens) -> np.ndarray:
 
 
 # ---- token-by-token decode over a chunk (the cached policies) ---------------
-@functools.partial(jax.jit, static_argnames=("config", "want_logits"),
+def _plan(params, config, tokens_BT, cache) -> decode.Plan:
+  """The layout generate would read for T steps over the whole cache
+  (`decode.plan` without attention buckets): an int8 cache is evaluated
+  through the integer attention generate runs (`kvjax.layered`)."""
+  return decode.plan(params, config, cache.policy, tokens_BT.shape[0], 0,
+                     tokens_BT.shape[1], cache.capacity,
+                     attend_buckets=False)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "want_logits",
+                                             "plan"),
                    donate_argnames=("cache",))
-def _decode_scan(params, config, tokens_BT, targets_BT, cache, want_logits):
-  """T teacher-forced steps of the decode loop (`kvjax.decode.run`).
-  Returns (nll_BT, logits_BTV|None, cache)."""
+def _decode_scan(params, config, tokens_BT, targets_BT, cache, want_logits,
+                 plan=decode.Plan()):
+  """T teacher-forced steps of the decode loop (`kvjax.decode.run`, laid
+  out by `plan`). Returns (nll_BT, logits_BTV|None, cache)."""
   T = tokens_BT.shape[1]
   # Step t feeds tokens[t]; the loop's "next token" is the given tokens[t+1]
   # (the last one is never fed).
@@ -79,7 +90,7 @@ def _decode_scan(params, config, tokens_BT, targets_BT, cache, want_logits):
 
   _, cache, (nll_TB, logits_TBV) = decode.run(
       params, config, tokens_BT[:, 0], cache, (targets_BT.T, next_TB),
-      choose=lambda logits_BV, x: x[1], emit=emit, n=T)
+      choose=lambda logits_BV, x: x[1], emit=emit, n=T, plan=plan)
   logits_BTV = None if logits_TBV is None else jnp.swapaxes(logits_TBV, 0, 1)
   return nll_TB.T, logits_BTV, cache
 
@@ -111,7 +122,8 @@ def decode_tokens(params, config: ModelConfig, tokens_BT, cache):
   inference._check_fits(cache, tokens_BT.shape[1], fresh=False,  # pylint: disable=protected-access
                         what="decode_tokens")
   _, logits, cache = _decode_scan(params, config, tokens_BT, tokens_BT, cache,
-                                  True)
+                                  True, _plan(params, config, tokens_BT,
+                                              cache))
   errors.raise_if_set(cache, "decode_tokens")
   return logits, cache
 
@@ -156,9 +168,10 @@ def stream_nll(params, config: ModelConfig, tokens, cache, *,
                                         chunk, "stream_nll")
   out, logged = [], 0
   for start, stop in _chunks(n, chunk):
-    nll, _, cache = _decode_scan(params, config, tokens_Bt[:, start:stop],
+    chunk_BT = tokens_Bt[:, start:stop]
+    nll, _, cache = _decode_scan(params, config, chunk_BT,
                                  tokens_Bt[:, start + 1:stop + 1], cache,
-                                 False)
+                                 False, _plan(params, config, chunk_BT, cache))
     out.append(np.asarray(nll))
     errors.raise_if_set(cache, f"stream_nll, tokens {start}-{stop}")
     if log_every and stop - logged >= log_every:
