@@ -232,7 +232,10 @@ class DecodeStepsTest(parameterized.TestCase):
     params = kvjax.pack(kvjax.init_params(config, jax.random.key(0)), config)
     out = bm.decode_steps_alternating(params, config, 2, 20,
                                       ("float32", "int8", "int4"), steps=2,
-                                      warmup=1, repeats=2)
+                                      warmup=1, repeats=2, probe_bytes=1 << 20)
+    probe = out.pop("read_probe")
+    self.assertEqual(probe["nbytes"], 1 << 20)
+    self.assertGreater(probe["bytes_per_s"], 0)
     self.assertEqual(list(out), ["float32", "int8", "int4"])
     # The layouts generate would read: int8 layered, int4 stacked.
     self.assertEqual([out[k]["layout"] for k in out],

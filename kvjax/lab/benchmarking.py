@@ -221,12 +221,19 @@ def read_bandwidth(nbytes: int = 1 << 29, *, warmup: int = 2,
   Returns:
     bytes_per_s (nbytes / median time), median_s, nbytes.
   """
-  x = _probe_array(nbytes)
-  f = jax.jit(jnp.sum)
-  t = time_fn(lambda: f(x), warmup=warmup, repeats=repeats)
-  nb = x.size * 4
+  run, nb = read_probe(nbytes)
+  t = time_fn(run, warmup=warmup, repeats=repeats)
   return dict(bytes_per_s=nb / t.median, best_bytes_per_s=nb / t.min,
               median_s=t.median, nbytes=nb)
+
+
+def read_probe(nbytes: int = 1 << 29):
+  """(run, nbytes read): `run()` sums an `nbytes` float32 array (the read
+  probe, to time by itself or in alternating rounds with what it
+  measures)."""
+  x = _probe_array(nbytes)
+  f = jax.jit(jnp.sum)
+  return (lambda: f(x)), x.size * 4
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -778,7 +785,8 @@ def decode_step_seconds(params, config: ModelConfig, batch: int,
 
 def decode_steps_alternating(params, config: ModelConfig, batch: int,
                              position: int, kv_dtypes, *, steps: int = 16,
-                             warmup: int = 1, repeats: int = 5
+                             warmup: int = 1, repeats: int = 5,
+                             probe_bytes: int = 0
                              ) -> dict[str, dict[str, Any]]:
   """`decode_step_seconds` for several cache kinds, timed in alternating
   rounds (`time_alternating`), so that their ratios share the load drift.
@@ -788,19 +796,28 @@ def decode_steps_alternating(params, config: ModelConfig, batch: int,
   generate a segment runs as many steps as it has slots to fill, so short
   timed loops would overstate that copy.
 
+  With `probe_bytes`, the read probe (`read_probe`) of that size runs in
+  the same rounds, so each point has its own bandwidth under the same load.
+
   Returns:
     per kind: step_s (median), loop (Timing dict), layout (what the
     segment read), vs_first (median over rounds of the first kind's loop
-    time / this kind's: its speed-up), rounds (those per-round ratios).
+    time / this kind's: its speed-up), rounds (those per-round ratios);
+    with `probe_bytes` also "read_probe": bytes_per_s (median), nbytes.
   """
   kinds = list(kv_dtypes)
   if not kinds:
     raise ValueError("kv_dtypes is empty")
   runners = {k: _decode_runner(params, config, batch, position, steps, k,
                                None, warmup + repeats) for k in kinds}
-  t = time_alternating({k: r[0] for k, r in runners.items()},
-                       warmup=warmup, repeats=repeats)
+  fns = {k: r[0] for k, r in runners.items()}
+  if probe_bytes:
+    fns["read_probe"], nb = read_probe(probe_bytes)
+  t = time_alternating(fns, warmup=warmup, repeats=repeats)
   out = {}
+  if probe_bytes:
+    out["read_probe"] = dict(bytes_per_s=nb / t["read_probe"].median,
+                             nbytes=nb)
   for k, (_, state, capacity, plan) in runners.items():
     errors.raise_if_set(state[0], "decode_steps_alternating")
     ratios = paired_ratios(t[kinds[0]].seconds, t[k].seconds)
