@@ -249,6 +249,22 @@ class DecodeStepsTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "kv_dtypes is empty"):
       bm.decode_steps_alternating(params, config, 1, 4, ())
 
+  def test_layouts_are_timed_as_asked_and_refused_where_they_cannot_run(self):
+    config = tiny("gqa")
+    params = kvjax.pack(kvjax.init_params(config, jax.random.key(0)), config)
+    out = bm.decode_layouts_alternating(
+        params, config, 2, 20, [("float32", "stacked"), ("float32", "layered"),
+                                ("int8", "layered")], steps=2, repeats=2)
+    self.assertEqual(list(out), ["float32:stacked", "float32:layered",
+                                 "int8:layered"])
+    self.assertEqual(out["float32:stacked"]["rounds"], (1.0, 1.0))
+    for bad, match in ((("int8", "blocked"), "kv_dtype='int8'"),
+                       (("float32", "auto"), "layout='auto'"),
+                       (("int4", "layered"), "kv_dtype='int4'")):
+      with self.assertRaisesRegex(ValueError, match):
+        bm.decode_layouts_alternating(params, config, 2, 20, [bad], steps=2,
+                                      repeats=1)
+
 
 # The first variant of each attention kind: one KVCache, one LatentCache.
 KINDS = tuple({model_presets.model_dict(v, "tiny")["attention"]: v

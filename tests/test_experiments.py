@@ -30,7 +30,7 @@ SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "experiments", "*.py")))
 # it: then it gives one-line errors, --show_config and quiet logs too).
 CLI_SCRIPTS = sorted(
     os.path.join(ROOT, "experiments", f"{name}.py") for name in (
-        "ablate", "attention_map", "benchmark", "cache_table",
+        "ablate", "attention_map", "benchmark", "cache_layout", "cache_table",
         "decode_layout", "error_check_cost", "explain", "generate",
         "llamacpp_peer", "memory_growth",
         "peer_benchmark", "prefill_scaling", "serve", "streaming_eval",

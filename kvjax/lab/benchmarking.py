@@ -731,11 +731,12 @@ def error_check_cost(params, config: ModelConfig, batch: int, position: int,
 
 def _decode_runner(params, config: ModelConfig, batch: int, position: int,
                    steps: int, kv_dtype: str, capacity: int | None,
-                   calls: int):
-  """(run, state): `run()` times nothing itself; it runs `decode_loop` for
-  `steps` steps from a cache holding `position` tokens (sized for `calls`
-  calls unless `capacity` is given), laid out as generate would
-  (`timing_plan`); state[0] is the cache after the last call."""
+                   calls: int, layout: str | None = None):
+  """(run, state, capacity, plan): `run()` times nothing itself; it runs
+  `decode_loop` for `steps` steps from a cache holding `position` tokens
+  (sized for `calls` calls unless `capacity` is given), laid out as
+  generate would (`timing_plan`) or as `layout` says ('stacked',
+  'blocked', 'layered'); state[0] is the cache after the last call."""
   if position < 0 or steps < 1:
     raise ValueError(f"position must be >= 0 and steps >= 1, got {position},"
                      f" {steps}")
@@ -751,6 +752,8 @@ def _decode_runner(params, config: ModelConfig, batch: int, position: int,
   params = packed.for_decode(params, config)  # the layout generate runs
   plan = timing_plan(params, config, policy, batch, position, steps,
                      need - position, capacity)
+  if layout is not None:
+    plan = decode.Plan(plan.schedule, layout)
 
   def run():
     out, state[0] = decode_loop(params, config, tok, state[0], steps, plan)
@@ -823,6 +826,44 @@ def decode_steps_alternating(params, config: ModelConfig, batch: int,
     ratios = paired_ratios(t[kinds[0]].seconds, t[k].seconds)
     out[k] = dict(step_s=t[k].median / steps, loop=t[k].to_dict(),
                   layout=plan.layout, capacity=capacity,
+                  vs_first=statistics.median(ratios), rounds=ratios)
+  return out
+
+
+def decode_layouts_alternating(params, config: ModelConfig, batch: int,
+                               position: int, combos, *, steps: int = 16,
+                               warmup: int = 1, repeats: int = 5
+                               ) -> dict[str, dict[str, Any]]:
+  """Decode steps of (kv dtype, cache layout) `combos` timed in alternating
+  rounds: which layout (`decode.DECODE_LAYOUTS` but 'auto') reads a cache
+  fastest. A layout a cache cannot take raises before any timing
+  (`decode.plan`'s reasons).
+
+  Returns:
+    per "kind:layout": step_s, loop (Timing dict), vs_first (median over
+    rounds of the first combo's loop time / this one's), rounds.
+  """
+  combos = [tuple(c) for c in combos]
+  if not combos:
+    raise ValueError("combos is empty")
+  for kind, layout in combos:
+    if layout not in decode.DECODE_LAYOUTS or layout == "auto":
+      raise ValueError(f"layout={layout!r} is not one of "
+                       f"{decode.DECODE_LAYOUTS[1:]}")
+    decode.plan(packed.for_decode(params, config), config,
+                cache_policy(kind), batch, position, steps,
+                position + steps * (warmup + repeats), decode_layout=layout)
+  runners = {f"{k}:{lay}": _decode_runner(params, config, batch, position,
+                                          steps, k, None, warmup + repeats,
+                                          lay) for k, lay in combos}
+  t = time_alternating({n: r[0] for n, r in runners.items()},
+                       warmup=warmup, repeats=repeats)
+  first = next(iter(runners))
+  out = {}
+  for n, (_, state, _, _) in runners.items():
+    errors.raise_if_set(state[0], "decode_layouts_alternating")
+    ratios = paired_ratios(t[first].seconds, t[n].seconds)
+    out[n] = dict(step_s=t[n].median / steps, loop=t[n].to_dict(),
                   vs_first=statistics.median(ratios), rounds=ratios)
   return out
 
