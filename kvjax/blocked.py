@@ -20,11 +20,11 @@ product a batched `[G, H] @ [H, X]` over contiguous 16 KB blocks, which
 YNNPACK streams ~2.4× faster from memory. Together with RoPE tables carried
 in the decode loop (`model.decode_rope`): 7–9 % faster batch-8 decode steps
 for gqa-medium when it was added. Re-measured beside the layered cache
-(`kvjax.layered`: per-layer arrays, keys transposed whole), it was 0.93-
-0.96x the stacked cache for gqa-medium at batch 8 (32-step loops at 512 and
-2048 slots, and whole generate calls), where the layered one was 0.95-
-1.61x; 'auto' no longer picks it, and `decode_layout='blocked'` still
-runs it.
+(`kvjax.layered`: per-layer arrays, keys transposed whole;
+experiments/cache_layout.py, batch 8) it was 0.94-1.01x the stacked cache
+for gqa-medium at 512-4096 slots and 1.24-1.54x for mha-small at 2048-8192,
+where the layered one was 0.99-1.20x and 1.60-2.06x; 'auto' no longer
+picks it, and `decode_layout='blocked'` still runs it.
 
 `BlockedKV` is a decode cache kind (`attention.DecodeCache`, registered
 below): the attention code reads it through that protocol, unaware of its

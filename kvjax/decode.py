@@ -47,12 +47,13 @@ _VIEWS = {"blocked": blocked, "layered": layered}
 # per-layer array measured 0.5x the stacked step (gqa-small, 8192 slots).
 LAYERED_MIN_BATCH = 4
 # 'auto' reads float caches layered (`kvjax.layered`) in segments attending
-# this many slots or more, from LAYERED_MIN_BATCH sequences on (gqa-medium,
-# batch 8, 32-step loops against the stacked cache: 0.95x at 512 slots,
-# 1.12x at 2048, 1.61x at 4096; WORKSPACE.md "Quantized caches"), and int8
+# this many slots or more, from LAYERED_MIN_BATCH sequences on (float32 at
+# batch 8 against the stacked cache, experiments/cache_layout.py:
+# gqa-medium 0.99x at 512 slots, 1.05x at 2048, 1.20x at 4096; mha-small
+# 1.60x at 2048, 2.06x at 8192; WORKSPACE.md "Quantized caches"), and int8
 # caches layered at every batch and length (integer attention). Nothing
-# picks 'blocked' by itself any more: it measured 0.93-0.96x the stacked
-# cache at those points and in whole generate calls.
+# picks 'blocked' by itself any more: the layered cache beat it at every
+# point (blocked 0.94-1.01x for gqa-medium, 1.24-1.54x for mha-small).
 LAYERED_MIN_SLOTS = 2048
 
 

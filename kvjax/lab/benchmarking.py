@@ -1247,8 +1247,10 @@ def plot_sweep(result: Mapping[str, Any], path) -> dict[str, Any]:
                           f"({probe / 1e9:.1f} GB/s)")
     ax.set(xscale="log", yscale="log", xlabel="MB a step must read "
            "(weights + cache)", title="every batch and context")
+    _tick_at(ax, [x for x in (25, 50, 100, 200, 400, 800, 1600, 3200,
+                              6400) if mb[0] / 2 <= x <= mb[-1] * 2])
     ax.grid(alpha=0.3, which="both")
-    ax.legend(title="time to read them at", fontsize=7, loc="upper left")
+    ax.legend(title="time to read them at", fontsize=7, loc="lower right")
   for ax, B in zip(axes[0], batches):
     for vi, variant in enumerate(variants):
       for ki, kind in enumerate(kinds):
