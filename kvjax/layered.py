@@ -3,8 +3,13 @@ attention over int8 caches (GQA / MHA / MQA; `generate`'s decode).
 
   LayeredKV  k                 L × [B, K, H, S]   keys transposed
              v                 L × [B, K, S, H]   float caches
-                               L × [B, K, H, S]   int8: values transposed
-             k_scale, v_scale  L × [B, K, S]      int8 only (else None)
+                               L × [B, K, H, S]   int8, int4: transposed
+             k_scale, v_scale  L × [B, K, S]      int8, int4 (else None)
+
+An int4 cache's view holds its codes unpacked, one int8 per code (the
+segment's working copy is twice the int4 payload): a step then reads
+them as int8 codes and attends as an int8 cache does; `into_cache` packs
+them back, bit for bit.
 
 S, the layered cache's slots, is the attended prefix of one `generate`
 decode segment (`decode.attention_schedule`): the segment splits the first
@@ -75,8 +80,8 @@ from kvjax import quant
 # |Σ_s c_s v_s + 127 Σ_s v_s| ≤ 254 · 127 · S must fit int32 (|c|, |v| ≤ 127).
 INT8_MAX_SLOTS = (2**31 - 1) // (254 * 127)
 _P_OFFSET = 127  # codes c = round(p / p_scale) - 127 cover p in 255 levels
-LAYERED_DTYPES = ("float32", "bfloat16", "float16", "int8")
-TRANSPOSED = ("int8",)  # kv dtypes whose values are stored [B, K, H, S]
+LAYERED_DTYPES = ("float32", "bfloat16", "float16", "int8", "int4")
+TRANSPOSED = ("int8", "int4")  # values stored [B, K, H, S]
 MIN_DOT_ROWS = 4  # rows an int8 dot is padded to (`_min_rows`)
 _KEY_SLOTS, _VALUE_SLOTS, _VALUE_SLOTS_T = 3, 2, 3  # slot axis of [B, K, ., .]
 
@@ -93,10 +98,11 @@ class Int8Rows:
 class LayeredKV:
   """A decode segment's per-layer view of a `KVCache` (module docstring).
 
-  k: L-tuple of [B, K, H, S] (transposed) in the policy's storage dtype;
+  k: L-tuple of [B, K, H, S] (transposed) in the policy's storage dtype
+  (int4: int8 codes, unpacked);
   v: L-tuple of [B, K, S, H], or [B, K, H, S] for `TRANSPOSED` kv dtypes;
   k_scale, v_scale: L-tuples
-  of [B, K, S] (int8) or None; positions [B, S]; length [B]; errors [B]
+  of [B, K, S] (int8, int4) or None; positions [B, S]; length [B]; errors [B]
   (`kvjax.errors`).
   """
 
@@ -153,10 +159,14 @@ def from_cache(cache: cache_lib.KVCache, attend: int) -> LayeredKV:
     raise ValueError(f"layered decode cache: {why}")
   L = cache.k.shape[0]
 
+  int4 = cache.policy.kv_dtype == "int4"
+
   def split(arr, transpose=False):
     if arr is None:
       return None
     parts = tuple(arr[l, :, :, :attend] for l in range(L))
+    if int4 and transpose:  # payloads: int4 pairs unpacked to int8 codes
+      parts = tuple(quant.unpack_int4(x) for x in parts)
     return tuple(jnp.swapaxes(x, -1, -2) for x in parts) if transpose else (
         parts)
 
@@ -180,6 +190,9 @@ def into_cache(cache: cache_lib.KVCache, layered: LayeredKV
   v = layered.v
   if layered.transposed:
     v = tuple(jnp.swapaxes(x, -1, -2) for x in v)
+  if layered.policy.kv_dtype == "int4":
+    k, v = (tuple(quant.pack_int4(x) for x in k),
+            tuple(quant.pack_int4(x) for x in v))
   return cache.replace(
       k=put(cache.k, k), v=put(cache.v, v),
       k_scale=put(cache.k_scale, layered.k_scale),
@@ -195,10 +208,12 @@ def write(layered: LayeredKV, layer: int, slots_BT, k_BTKH, v_BTKH
   B, T = slots_BT.shape
   if T != 1:
     raise ValueError(f"LayeredKV holds decode steps only (T = 1), got T={T}")
-  dtype = layered.v[0].dtype
+  storage = quant.storage_dtype(layered.policy.kv_dtype)
   new = {}
   for name, x_BKH in (("k", k_BTKH[:, 0]), ("v", v_BTKH[:, 0])):
-    codes_BKH, scale_BK = quant.quantize(x_BKH, dtype)
+    codes_BKH, scale_BK = quant.quantize(x_BKH, storage)
+    if storage == quant.INT4_PAIRS:  # the view holds int4 codes unpacked
+      codes_BKH = quant.unpack_int4(codes_BKH)
     slot_axis = (_KEY_SLOTS if name == "k" else
                  _VALUE_SLOTS_T if layered.transposed else _VALUE_SLOTS)
     arrs = list(getattr(layered, name))
@@ -234,7 +249,7 @@ def _put(arr, s_B, new, axis: int):
 
 def read(layered: LayeredKV, layer: int, dtype, prefix: int = 0):
   """One layer's keys [B, K, H, S] (transposed) and values [B, K, S, H],
-  in `dtype` (float caches); int8 ones as stored (`Int8Rows`, both
+  in `dtype` (float caches); int8 and int4 ones as stored (`Int8Rows`, both
   transposed)."""
   del prefix  # a segment's layered copy is its attended prefix already
   if layered.k_scale is not None:

@@ -237,9 +237,10 @@ class DecodeStepsTest(parameterized.TestCase):
     self.assertEqual(probe["nbytes"], 1 << 20)
     self.assertGreater(probe["bytes_per_s"], 0)
     self.assertEqual(list(out), ["float32", "int8", "int4"])
-    # The layouts generate would read: int8 layered, int4 stacked.
+    # The layouts generate would read: float32 stacked at batch 2, the
+    # quantized kinds layered.
     self.assertEqual([out[k]["layout"] for k in out],
-                     ["stacked", "layered", "stacked"])
+                     ["stacked", "layered", "layered"])
     self.assertEqual(out["float32"]["rounds"], (1.0, 1.0))
     for k, t in out.items():
       self.assertLen(t["rounds"], 2)
@@ -260,7 +261,7 @@ class DecodeStepsTest(parameterized.TestCase):
     self.assertEqual(out["float32:stacked"]["rounds"], (1.0, 1.0))
     for bad, match in ((("int8", "blocked"), "kv_dtype='int8'"),
                        (("float32", "auto"), "layout='auto'"),
-                       (("int4", "layered"), "kv_dtype='int4'")):
+                       (("int8-kivi", "layered"), "key_quant='channel'")):
       with self.assertRaisesRegex(ValueError, match):
         bm.decode_layouts_alternating(params, config, 2, 20, [bad], steps=2,
                                       repeats=1)

@@ -261,22 +261,17 @@ class PagedTest(parameterized.TestCase):
 
 class BlockedTest(parameterized.TestCase):
 
-  def test_views_decline_int4_and_auto_falls_back(self):
+  def test_blocked_declines_int4_and_layered_takes_it(self):
     config = tiny("gqa")
     params = kvjax.pack(tiny_params("gqa"), config)
     cache = kvjax.init_cache(config, 8, 4096, policy=INT4)
     self.assertIn("kv_dtype='int4'", blocked.supports(cache, 128))
-    self.assertIn("kv_dtype='int4'", layered.supports(cache, 128))
-    self.assertEqual(decode.plan(params, config, INT4, 8, 64, 3000,
-                                 4096).layout, "stacked")
-    # A float32 or int8 cache would be read layered there.
-    for policy in (kvjax.CachePolicy(), kvjax.CachePolicy(kv_dtype="int8")):
-      self.assertEqual(decode.plan(params, config, policy, 8, 64, 3000,
-                                   4096).layout, "layered")
-    for layout in ("blocked", "layered"):
-      with self.assertRaisesRegex(ValueError, "kv_dtype='int4'"):
-        kvjax.generate(params, config, jnp.zeros((2, 8), jnp.int32), 20,
-                       policy=INT4, decode_layout=layout)
+    self.assertIsNone(layered.supports(cache, 128))
+    self.assertEqual(decode.plan(params, config, INT4, 1, 64, 3000,
+                                 4096).layout, "layered")
+    with self.assertRaisesRegex(ValueError, "kv_dtype='int4'"):
+      kvjax.generate(params, config, jnp.zeros((2, 8), jnp.int32), 20,
+                     policy=INT4, decode_layout="blocked")
 
 
 class BadInputTest(parameterized.TestCase):

@@ -1,18 +1,19 @@
 """The decode loop's layered cache and integer attention (`kvjax.layered`).
 
 Invariants: a LayeredKV holds exactly the stacked cache's first P slots
-(round trip bit for bit, scales included, keys and int8 values
-transposed); its
-one-token write lands where the stacked write does (batch 1's update slice
-and the batched scatter alike, slot P dropped); for float caches a
-`generate` over it gives the stacked generate's tokens, and its logits and
-cache up to float reassociation. For int8 caches the
-integer attention equals a float64 reference over the dequantized cache
-within int8's storage tolerance, slots it masks contribute exactly nothing
-whatever they hold, and teacher-forced decode writes the stacked cache's
-codes in layer 0 and its values within int8 tolerance after it. 'auto' reads int8 caches layered at every batch and float
-caches layered in long segments of batched decode; where 'layered' cannot
-run it raises naming the reason.
+(round trip bit for bit, scales included; keys and int8 / int4 values
+transposed, int4 codes unpacked); its one-token write lands where the
+stacked write does (batch 1's update slice and the batched scatter alike,
+slot P dropped); for float caches a `generate` over it gives the stacked
+generate's tokens, and its logits and cache up to float reassociation.
+For int8 caches the integer attention equals a float64 reference over the
+dequantized cache within int8's storage tolerance, and slots it masks
+contribute exactly nothing whatever they hold; teacher-forced decode
+through an int8 or int4 cache writes the stacked cache's codes in layer 0
+and its values within the storage tolerance after it. 'auto' reads int8
+and int4 caches layered at every batch and float caches layered in long
+segments of batched decode; where 'layered' cannot run it raises naming
+the reason.
 """
 
 from absl.testing import absltest
@@ -70,7 +71,7 @@ def _reference(q_BTKGH, k_BKSH, v_BKSH, mask_BKTS, scale):
 
 class LayoutTest(parameterized.TestCase):
 
-  @cases.product(dtype=("float32", "bfloat16", "int8"),
+  @cases.product(dtype=("float32", "bfloat16", "int8", "int4"),
                  slow=lambda dtype: dtype == "bfloat16")
   def test_round_trip_is_exact(self, dtype):
     config = tiny("gqa")
@@ -78,13 +79,16 @@ class LayoutTest(parameterized.TestCase):
     seg = layered.from_cache(cache, 192)
     L, B, K, _, H = cache.k.shape
     self.assertLen(seg.k, L)
+    H *= quant.values_per_element(dtype)  # int4: codes unpacked in the view
     chex.assert_shape(seg.k[0], (B, K, H, 192))  # keys transposed
-    chex.assert_shape(seg.v[0], (B, K, H, 192) if dtype == "int8" else
-                      (B, K, 192, H))
+    chex.assert_shape(seg.v[0], (B, K, H, 192) if dtype in ("int8", "int4")
+                      else (B, K, 192, H))
     self.assertEqual(seg.capacity, 192)
-    self.assertEqual(seg.k_scale is None, dtype != "int8")
-    np.testing.assert_array_equal(seg.k[1],
-                                  jnp.swapaxes(cache.k[1, :, :, :192], -1, -2))
+    self.assertEqual(seg.k_scale is None, dtype not in ("int8", "int4"))
+    k = cache.k[1, :, :, :192]
+    if dtype == "int4":
+      k = quant.unpack_int4(k)
+    np.testing.assert_array_equal(seg.k[1], jnp.swapaxes(k, -1, -2))
     chex.assert_trees_all_equal(layered.into_cache(cache, seg), cache)
 
   def test_into_cache_takes_the_segment_slots_only(self):
@@ -99,8 +103,9 @@ class LayoutTest(parameterized.TestCase):
                                   cache.k_scale[:, :, :, 128:])
     np.testing.assert_array_equal(back.length, cache.length + 5)
 
-  @cases.product(dtype=("float32", "bfloat16", "int8"), batch=(1, 3),
-                 slow=lambda dtype, batch: dtype == "bfloat16")
+  @cases.product(dtype=("float32", "bfloat16", "int8", "int4"), batch=(1, 3),
+                 slow=lambda dtype, batch: dtype in ("bfloat16", "int4") and
+                 batch == 1)
   def test_write_lands_where_the_stacked_write_does(self, dtype, batch):
     config = tiny("gqa")
     cache = _random_cache(config, batch, 256, 100, dtype)
@@ -135,8 +140,6 @@ class LayoutTest(parameterized.TestCase):
     cache = cache_lib.init_cache(config, 2, 256)
     self.assertIsNone(layered.supports(cache, 100))
     self.assertIn("within capacity", layered.supports(cache, 320))
-    int4 = cache_lib.init_cache(config, 2, 256, dtype="int4")
-    self.assertIn("int4", layered.supports(int4, 128))
     kivi = cache_lib.init_cache(config, 2, 256, policy=cache_lib.CachePolicy(
         kv_dtype="int8", key_quant="channel"))
     self.assertIn("channel", layered.supports(kivi, 128))
@@ -239,8 +242,10 @@ class GenerateTest(parameterized.TestCase):
     for name in ("positions", "length", "errors"):
       np.testing.assert_array_equal(getattr(c_a, name), getattr(c_b, name))
 
-  @cases.product(batch=(1, 3))
-  def test_int8_writes_the_stacked_cache_and_keeps_the_logits(self, batch):
+  @cases.product(batch=(1, 3), dtype=("int8", "int4"),
+                 slow=lambda batch, dtype: (batch, dtype) == (1, "int4"))
+  def test_quantized_writes_the_stacked_cache_and_keeps_the_logits(
+      self, batch, dtype):
     # Teacher-forced through the one decode loop: the same tokens go in, so
     # every step writes the same codes; the logits differ by the integer
     # attention's rounding only.
@@ -250,7 +255,7 @@ class GenerateTest(parameterized.TestCase):
                                 config.vocab_size)
     given = jax.random.randint(jax.random.key(3), (40, batch), 0,
                                config.vocab_size)
-    policy = cache_lib.CachePolicy(kv_dtype="int8")
+    policy = cache_lib.CachePolicy(kv_dtype=dtype)
     cache = kvjax.init_cache(config, batch, 64, policy=policy)
     _, cache = inference.prefill(params, config, prompt, cache)
     out = {}
@@ -271,10 +276,10 @@ class GenerateTest(parameterized.TestCase):
           quant.dequantize(getattr(b, name), getattr(b, name + "_scale"),
                            jnp.float32),
           quant.dequantize(getattr(a, name), getattr(a, name + "_scale"),
-                           jnp.float32), config, cache="int8", msg=name)
+                           jnp.float32), config, cache=dtype, msg=name)
     for name in ("positions", "length", "errors"):
       np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
-    assert_close(out["layered"][1], out["stacked"][1], config, cache="int8")
+    assert_close(out["layered"][1], out["stacked"][1], config, cache=dtype)
 
 
 
@@ -291,9 +296,10 @@ class PlanTest(parameterized.TestCase):
     return decode.plan(params, config, policy, batch, prompt, steps,
                        capacity, decode_layout=decode_layout)
 
-  def test_auto_reads_int8_layered_at_every_batch(self):
+  @cases.product(dtype=("int8", "int4"))
+  def test_auto_reads_quantized_caches_layered_at_every_batch(self, dtype):
     for batch in (1, 2, 8):
-      plan = self._plan(batch=batch, dtype="int8")
+      plan = self._plan(batch=batch, dtype=dtype)
       self.assertEqual(plan.layout, "layered")
       self.assertEqual(
           {plan.segment_layout(i) for i in range(len(plan.schedule))},
@@ -311,7 +317,6 @@ class PlanTest(parameterized.TestCase):
     self.assertEqual(self._plan(batch=1).layout, "stacked")
 
   @parameterized.named_parameters(
-      ("int4", dict(dtype="int4"), "stacked"),
       ("kivi", dict(dtype="int8", key_quant="channel"), "stacked"),
       ("mla", dict(kind="mla", dtype="int8"), "stacked"),
       ("scan_params", dict(layout="scan", dtype="int8"), "stacked"),
@@ -320,7 +325,8 @@ class PlanTest(parameterized.TestCase):
     self.assertEqual(self._plan(**kw).layout, want)
 
   @parameterized.named_parameters(
-      ("int4", dict(dtype="int4"), "kv_dtype='int4'"),
+      ("kivi", dict(dtype="int8", key_quant="channel"),
+       "key_quant='channel'"),
       ("mla", dict(kind="mla"), "attention='mla'"),
       ("scan", dict(layout="scan"), "per-layer arrays"),
       ("window", dict(eviction="window"), "decode segments"),
