@@ -537,18 +537,20 @@ def generate(params, config: ModelConfig, tokens, max_new_tokens: int, *,
       read. 'stacked': the `KVCache` itself. 'blocked': each segment copies
       its attended prefix into per-layer arrays with keys transposed in
       blocks of 64 slots (`kvjax.blocked`) and back after it. 'layered':
-      each segment copies its prefix into per-layer arrays, and int8
+      each segment copies its prefix into per-layer arrays, and int8 / int4
       caches attend with integer dots (`kvjax.layered`). Float caches give
-      the same tokens and logits in every layout; int8 ones differ by the
-      integer attention's rounding (WORKSPACE.md "Quantized caches").
+      the same tokens in every layout and logits equal up to float
+      reassociation; quantized ones differ by the integer attention's
+      rounding (WORKSPACE.md "Quantized caches").
       The views need the segments, attention 'gqa' and the decode params
       layout (`kvjax.pack`, which `generate` applies itself on CPU from
       embed_dim 256 on); 'blocked' a float kv_dtype (a segment whose
       prefix is not a multiple of 64 slots reads the stacked cache),
-      'layered' float32 / bfloat16 / float16 / int8 with per-token keys.
+      'layered' float32 / bfloat16 / float16 / int8 / int4 with per-token
+      keys.
       While a segment runs its copy is held beside the cache (up to one
       cache of temporaries). 'auto' (default), with params on CPU (where
-      it was measured): 'layered' for int8 caches; for float caches at
+      it was measured): 'layered' for int8 / int4 caches; for float caches at
       batch >= `LAYERED_MIN_BATCH` (4), 'layered' in segments attending
       `decode.LAYERED_MIN_SLOTS` (2048) slots or more; else 'stacked' (a
       float per-layer array measured 0.5x the stacked step at batch 1).
