@@ -99,10 +99,9 @@ class LayeredKV:
   """A decode segment's per-layer view of a `KVCache` (module docstring).
 
   k: L-tuple of [B, K, H, S] (transposed) in the policy's storage dtype
-  (int4: int8 codes, unpacked);
-  v: L-tuple of [B, K, S, H], or [B, K, H, S] for `TRANSPOSED` kv dtypes;
-  k_scale, v_scale: L-tuples
-  of [B, K, S] (int8, int4) or None; positions [B, S]; length [B]; errors [B]
+  (int4: int8 codes, unpacked); v: L-tuple of [B, K, S, H], or [B, K, H,
+  S] for `TRANSPOSED` kv dtypes; k_scale, v_scale: L-tuples of [B, K, S]
+  (int8, int4) or None; positions [B, S]; length [B]; errors [B]
   (`kvjax.errors`).
   """
 
@@ -282,6 +281,8 @@ def int8_attend(q_BTKGH, k: Int8Rows, v: Int8Rows, mask_BKTS, scale: float):
   safe = jnp.where(p_scale_BKG > 0, p_scale_BKG, 1.0)[..., None]
   codes_BKGS = (jnp.round(pv_BKGS / safe) - _P_OFFSET).astype(jnp.int8)
   ones_BK1S = jnp.ones((B, K, 1, codes_BKGS.shape[-1]), jnp.int8)
+  # g: G' rows, the G probability rows, the ones row, zero rows up to
+  # MIN_DOT_ROWS.
   sums_BKHg = jnp.einsum(
       "BKHS,BKGS->BKHG", v.codes,
       _min_rows(jnp.concatenate([codes_BKGS, ones_BK1S], axis=2), 2),
