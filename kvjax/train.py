@@ -21,6 +21,7 @@ Workdir layout written by `fit` (checkpoints: `kvjax.orbax_checkpoint`):
   checkpoints/<step>/model_config/model_config.json   rebuilds the model
   metrics.jsonl                              one JSON object per log/eval
   loss.png                                   train/validation bits per byte
+                                             (and first-token mass)
   config.json                                the full run config (`run` only)
 """
 
@@ -291,14 +292,23 @@ def _truncate_metrics(path: pathlib.Path, last_step: int) -> None:
 
 
 def plot_metrics(metrics_path: str | os.PathLike,
-                 png_path: str | os.PathLike) -> None:
-  """Train and validation bits per byte against step, from metrics.jsonl."""
+                 png_path: str | os.PathLike, seq_len: int = 0) -> list[str]:
+  """Train and validation bits per byte against step, from metrics.jsonl;
+  with validation records that carry `sink_mass_layers` (the first token's
+  attention mass per layer, `probe.first_token_mass`), a second panel of
+  that mass against step, beside uniform causal attention's for queries
+  from seq_len / 2 on (`seq_len` > 0). Returns the panels' y labels."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
   records = _read_metrics(pathlib.Path(metrics_path))
-  fig, ax = plt.subplots(figsize=(7, 4.5))
+  sinks = [r for r in records if r["split"] == "validation" and
+           r.get("sink_mass_layers")]
+  fig, axes = plt.subplots(1, 2 if sinks else 1,
+                           figsize=(12, 4.5) if sinks else (7, 4.5),
+                           squeeze=False)
+  ax = axes[0][0]
   for split, style in (("train", "-"), ("validation", "o-")):
     rs = [r for r in records if r["split"] == split]
     if rs:
@@ -310,9 +320,29 @@ def plot_metrics(metrics_path: str | os.PathLike,
   ax.set_ylim(bottom=0)
   ax.grid(alpha=0.3)
   ax.legend()
+  if sinks:
+    ax = axes[0][1]
+    steps = [r["step"] for r in sinks]
+    for l in range(len(sinks[0]["sink_mass_layers"])):
+      ax.plot(steps, [max(r["sink_mass_layers"][l], 1e-7) for r in sinks],
+              "o-", ms=3, label=f"layer {l}")
+    ax.plot(steps, [max(r["sink_mass_max"], 1e-7) for r in sinks], ":",
+            color="black", label="largest head")
+    if seq_len > 1:
+      uniform = float(np.mean(1.0 / np.arange(seq_len // 2 + 1,
+                                              seq_len + 1)))
+      ax.axhline(uniform, color="grey", ls="--",
+                 label=f"uniform attention ({uniform:.4f})")
+    ax.set(yscale="log", xlabel="step", ylabel="attention on the first "
+           "token (queries in the second half)",
+           title="attention sinks: first-token mass per layer")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(png_path, dpi=110)
+  labels = [a.get_ylabel() for a in fig.get_axes()]
   plt.close(fig)
+  return labels
 
 
 # ----------------------------------------------------------------------------
@@ -423,7 +453,7 @@ def fit(state: TrainState, *, batch_fn: Callable[[int], tuple],
       logging.info("step %d  validation %s", step, "  ".join(
           f"{k} {v:.4f}" for k, v in final.items()
           if k not in ("step", "split") and isinstance(v, float)))
-      plot_metrics(metrics_path, workdir / PLOT_FILE)
+      plot_metrics(metrics_path, workdir / PLOT_FILE, config.seq_len)
       # Evaluation time is not training time.
       t_last, steps_timed = time.perf_counter(), 0
     if step % config.checkpoint_every == 0 or step == config.num_steps:

@@ -220,6 +220,20 @@ class CheckpointTest(TrainTestCase):
     self.assertEqual(records[-1], final)
     self.assertGreater((self.tmp / train_lib.PLOT_FILE).stat().st_size, 1000)
 
+  def test_the_plot_tracks_first_token_mass_when_recorded(self):
+    path = self.tmp / train_lib.METRICS_FILE
+    rows = [dict(step=s, split="validation", bits_per_byte=3.0 - s / 100,
+                 sink_mass=0.001, sink_mass_max=0.002,
+                 sink_mass_layers=[0.001, 0.0005]) for s in (10, 20)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    labels = train_lib.plot_metrics(path, self.tmp / "p.png", seq_len=64)
+    self.assertEqual(labels, ["bits per byte", "attention on the first token "
+                              "(queries in the second half)"])
+    path.write_text(json.dumps(dict(step=1, split="train",
+                                    bits_per_byte=4.0)) + "\n")
+    self.assertEqual(train_lib.plot_metrics(path, self.tmp / "q.png"),
+                     ["bits per byte"])
+
   def test_resume_continues_identical_trajectory(self):
     config = _config()
     uninterrupted = self.tmp / "a"
