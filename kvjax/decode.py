@@ -52,9 +52,9 @@ LAYERED_MIN_BATCH = 4
 # gqa-medium 0.99x at 512 slots, 1.05x at 2048, 1.20x at 4096; mha-small
 # 1.60x at 2048, 2.06x at 8192; WORKSPACE.md "Quantized caches"), and
 # int8 / int4 caches layered at every batch and length (integer
-# attention). Nothing
-# picks 'blocked' by itself any more: the layered cache beat it at every
-# point (blocked 0.94-1.01x for gqa-medium, 1.24-1.54x for mha-small).
+# attention). Nothing picks 'blocked' by itself any more: the layered cache
+# beat it at every point (blocked 0.94-1.01x for gqa-medium, 1.24-1.54x
+# for mha-small).
 LAYERED_MIN_SLOTS = 2048
 
 
@@ -151,9 +151,8 @@ def plan(params, config: ModelConfig, policy: cache_lib.CachePolicy,
   'layered' a `layered.LAYERED_DTYPES` one with per-token keys. 'auto'
   (CPU params, where they were measured): 'layered' for int8 / int4
   caches at every batch; for float caches from LAYERED_MIN_BATCH
-  sequences on,
-  'layered' in segments attending LAYERED_MIN_SLOTS slots or more; else
-  'stacked'.
+  sequences on, 'layered' in segments attending LAYERED_MIN_SLOTS slots
+  or more; else 'stacked'.
 
   Raises:
     ValueError: an unknown decode_layout, or a view where it cannot run.

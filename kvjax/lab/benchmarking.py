@@ -813,18 +813,30 @@ def decode_steps_alternating(params, config: ModelConfig, batch: int,
     raise ValueError("kv_dtypes is empty")
   runners = {k: _decode_runner(params, config, batch, position, steps, k,
                                None, warmup + repeats) for k in kinds}
-  fns = {k: r[0] for k, r in runners.items()}
-  if probe_bytes:
-    fns["read_probe"], nb = read_probe(probe_bytes)
+  probe = read_probe(probe_bytes) if probe_bytes else None
+  return _time_runners(runners, steps, warmup, repeats, probe,
+                       "decode_steps_alternating")
+
+
+def _time_runners(runners, steps: int, warmup: int, repeats: int, probe,
+                  who: str) -> dict[str, dict[str, Any]]:
+  """Times `_decode_runner`s (and the read probe `(run, nbytes)`, if given)
+  in alternating rounds; per runner step_s, loop, layout, capacity,
+  vs_first and rounds (the first runner's loop time / this one's), plus
+  "read_probe" with a probe. Raises if a run set an error bit."""
+  fns = {n: r[0] for n, r in runners.items()}
+  if probe:
+    fns["read_probe"] = probe[0]
   t = time_alternating(fns, warmup=warmup, repeats=repeats)
   out = {}
-  if probe_bytes:
-    out["read_probe"] = dict(bytes_per_s=nb / t["read_probe"].median,
-                             nbytes=nb)
-  for k, (_, state, capacity, plan) in runners.items():
-    errors.raise_if_set(state[0], "decode_steps_alternating")
-    ratios = paired_ratios(t[kinds[0]].seconds, t[k].seconds)
-    out[k] = dict(step_s=t[k].median / steps, loop=t[k].to_dict(),
+  if probe:
+    out["read_probe"] = dict(bytes_per_s=probe[1] / t["read_probe"].median,
+                             nbytes=probe[1])
+  first = next(iter(runners))
+  for n, (_, state, capacity, plan) in runners.items():
+    errors.raise_if_set(state[0], who)
+    ratios = paired_ratios(t[first].seconds, t[n].seconds)
+    out[n] = dict(step_s=t[n].median / steps, loop=t[n].to_dict(),
                   layout=plan.layout, capacity=capacity,
                   vs_first=statistics.median(ratios), rounds=ratios)
   return out
@@ -840,8 +852,7 @@ def decode_layouts_alternating(params, config: ModelConfig, batch: int,
   (`decode.plan`'s reasons).
 
   Returns:
-    per "kind:layout": step_s, loop (Timing dict), vs_first (median over
-    rounds of the first combo's loop time / this one's), rounds.
+    per "kind:layout": as `decode_steps_alternating` per kind.
   """
   combos = [tuple(c) for c in combos]
   if not combos:
@@ -856,16 +867,8 @@ def decode_layouts_alternating(params, config: ModelConfig, batch: int,
   runners = {f"{k}:{lay}": _decode_runner(params, config, batch, position,
                                           steps, k, None, warmup + repeats,
                                           lay) for k, lay in combos}
-  t = time_alternating({n: r[0] for n, r in runners.items()},
-                       warmup=warmup, repeats=repeats)
-  first = next(iter(runners))
-  out = {}
-  for n, (_, state, _, _) in runners.items():
-    errors.raise_if_set(state[0], "decode_layouts_alternating")
-    ratios = paired_ratios(t[first].seconds, t[n].seconds)
-    out[n] = dict(step_s=t[n].median / steps, loop=t[n].to_dict(),
-                  vs_first=statistics.median(ratios), rounds=ratios)
-  return out
+  return _time_runners(runners, steps, warmup, repeats, None,
+                       "decode_layouts_alternating")
 
 
 def no_cache_step_seconds(params, config: ModelConfig, batch: int,
