@@ -83,8 +83,8 @@ _POLICIES = flags.DEFINE_list(
     "of compressing the prompt at prefill.")
 _KV_DTYPES = flags.DEFINE_list(
     "kv_dtypes", "float32",
-    f"Cache storage formats from {task_eval.KV_FORMATS} ('kivi' runs with "
-    "policy 'full' only).")
+    f"Cache storage formats from {task_eval.KV_FORMATS} ('kivi' and "
+    "'kivi4', KIVI at 8 and 4 bits, run with policy 'full' only).")
 _SEEDS = flags.DEFINE_integer(
     "seeds", 3, "Independent draws of the task data (seeds --seed, "
     "--seed + 10000, ...): accuracy is reported pooled and per draw.")
@@ -293,8 +293,9 @@ def plan(policy_names, kv_dtypes):
   specs, skipped = [], []
   for kv in kv_dtypes:
     for p in policy_names:
-      if kv == "kivi" and task_eval.parse_policy(p).kind != "full":
-        skipped.append(f"{p} [kivi]")
+      if (kv in task_eval.KIVI_FORMATS and
+          task_eval.parse_policy(p).kind != "full"):
+        skipped.append(f"{p} [{kv}]")
         continue
       specs.append(task_eval.parse_policy(p, kv))
   if skipped:

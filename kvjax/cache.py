@@ -47,6 +47,7 @@ POSITION_MODES = ("original", "cache")
 KV_DTYPES = ("float32", "bfloat16", "float16", "int8", "int4")
 QUANTIZED = ("int8", "int4")  # kv dtypes stored as codes and float32 scales
 KEY_QUANT = ("token", "channel")
+CHANNEL_KEY_DTYPES = QUANTIZED  # key_quant='channel' (KIVI): int8 or int4 codes
 EMPTY = -1  # position stored in a slot that holds no token
 
 
@@ -93,11 +94,13 @@ class CachePolicy:
     int4 packs two codes a byte: the payload's last axis is H / 2 (MLA:
     C / 2, R / 2), so those widths must be even (`init_cache` raises
     naming the field; `kvjax.quant`).
-  key_quant (int8 only):
+  key_quant (int8 and int4 only):
     token    keys quantized like values: one scale per token and head.
     channel  KIVI (Liu et al. 2024): keys quantized per channel over groups
              of `key_group` consecutive tokens (key outliers sit in fixed
-             channels, so a per-channel scale wastes fewer levels). The
+             channels, so a per-channel scale wastes fewer levels), at
+             the kv_dtype's width: int8, or int4 codes two a byte (KIVI's
+             4-bit setting; values int4 per token, as kv_dtype='int4'). The
              newest, incomplete group is also kept in float32 (the
              residual) and attention reads it from there; each decode step
              re-quantizes that one group, so a group's final int8 values
@@ -142,9 +145,10 @@ class CachePolicy:
           "tokens per layer/head and needs positions='original' (cache "
           "ranks are per sequence)")
     if self.key_quant == "channel":
-      if self.kv_dtype != "int8":
-        raise ValueError(f"key_quant='channel' quantizes keys to int8; it "
-                         f"needs kv_dtype='int8', got {self.kv_dtype!r}")
+      if self.kv_dtype not in CHANNEL_KEY_DTYPES:
+        raise ValueError(f"key_quant='channel' quantizes keys to int8 or "
+                         f"int4; it needs kv_dtype in {CHANNEL_KEY_DTYPES}, "
+                         f"got {self.kv_dtype!r}")
       if self.eviction != "none":
         raise ValueError(
             f"key_quant='channel' needs eviction='none', got "
@@ -458,8 +462,9 @@ def kv_bytes_per_token(config: ModelConfig, dtype="float32", *,
   else:
     elements = 2 * config.num_kv_heads * width(config.head_dim, "head_dim")
   per_layer = elements * quant.storage_dtype(name).itemsize
-  if key_group and name != "int8":
-    raise ValueError("key_group (KIVI per-channel keys) needs an int8 cache")
+  if key_group and name not in CHANNEL_KEY_DTYPES:
+    raise ValueError(f"key_group (KIVI per-channel keys) needs a cache of "
+                     f"{CHANNEL_KEY_DTYPES}, got {name!r}")
   if key_group:
     if config.attention == "mla":  # latent and rotary key, per channel
       value_scales = 0

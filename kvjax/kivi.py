@@ -1,4 +1,5 @@
-"""KIVI keys: int8 per channel over groups of tokens, newest group in float.
+"""KIVI keys: int8 or int4 per channel over groups of tokens, newest group
+in float.
 
 KIVI (Liu et al. 2024) observes that key outliers live in fixed channels, so
 keys are quantized per channel (one scale per channel over a group of
@@ -33,6 +34,10 @@ Two write paths keep it:
 Every function works on one (payload, scale, residual) triple of stacked
 arrays with the slot axis second to last in each layer: [L, B, ..., S,
 H | C | R] (the channels last: H for GQA keys, C or R for MLA's latents).
+The payload's dtype is the code width: int8, or int4 codes two a byte
+(`kvjax.quant.INT4_PAIRS`: the channel axis holds H / 2 bytes, packed as
+`quant.pack_int4`; KIVI's 4-bit setting when the cache's kv_dtype is
+'int4', whose values are then int4 per token).
 """
 
 from __future__ import annotations
@@ -62,7 +67,7 @@ def read(payload, scale, resid, layer, positions_BS, group: int, dtype,
 
 
 def rows(payload, scale, resid, positions_BS, group: int, dtype):
-  """Rows [B, ..., S, H | C | R] in `dtype` of one layer's int8 groups
+  """Rows [B, ..., S, H | C | R] in `dtype` of one layer's int8 / int4 groups
   `payload` [B, ..., S, ...] and `scale` [B, ..., S / X, ...], the newest
   group (per `positions_BS`) taken from its residual [B, ..., X, ...]
   (however the caller laid its slots out: a paged cache gathers them)."""
@@ -77,16 +82,19 @@ def rows(payload, scale, resid, positions_BS, group: int, dtype):
   return jnp.where(use, tiled, x).astype(dtype)
 
 
-def one_token(resid, slot_B, new_row, group: int, valid_B):
+def one_token(resid, slot_B, new_row, group: int, valid_B,
+              storage=jnp.int8):
   """Decode's group update for one row per sequence at `slot_B` (where
   `valid_B`; elsewhere nothing changes).
 
   Args:
     resid: one layer's residuals [B, ..., X, H | C | R] (float32).
     new_row: [B, ..., H | C | R].
+    storage: the payload's dtype (int8, or `quant.INT4_PAIRS`).
   Returns:
-    (new residual, its group quantized: q [B, ..., X, ...] int8 and
-    scale [B, ..., 1, ...]): the X slots of the group that holds the slot.
+    (new residual, its group quantized: q [B, ..., X, ...] in `storage`
+    (int4: the channel axis halved) and scale [B, ..., 1, ...]): the X
+    slots of the group that holds the slot.
   """
   B = slot_B.shape[0]
   b_B = jnp.arange(B)
@@ -97,7 +105,7 @@ def one_token(resid, slot_B, new_row, group: int, valid_B):
   r = jnp.moveaxis(jnp.moveaxis(r, -2, 1).at[b_B, j_B].set(
       new_row.astype(jnp.float32)), 1, -2)
   r = jnp.where(valid_B.reshape(bcast), r, resid)
-  q, s = quant.quantize_groups(r, group, -2)
+  q, s = quant.quantize_groups(r, group, -2, storage)
   return r, q, s
 
 
@@ -106,7 +114,8 @@ def _write_one(payload, scale, resid, layer, slot_B, new_row, group: int):
   S = payload.shape[-2]
   valid_B = slot_B < S
   group_B = slot_B // group
-  r, q, s = one_token(resid[layer], slot_B, new_row, group, valid_B)
+  r, q, s = one_token(resid[layer], slot_B, new_row, group, valid_B,
+                      payload.dtype)
   slots_BX = jnp.where(valid_B[:, None],
                        group_B[:, None] * group + jnp.arange(group)[None, :],
                        S)
@@ -125,7 +134,8 @@ def _write_many(payload, scale, resid, layer, positions_BS, slots_BT,
   S = payload.shape[-2]
   B, T = slots_BT.shape
   if fresh:  # prefill: the cache is taken as empty, whatever it held
-    full = jnp.zeros(payload.shape[1:], jnp.float32)
+    # The channel width is the residual's (an int4 payload holds half).
+    full = jnp.zeros(payload.shape[1:-1] + resid.shape[-1:], jnp.float32)
     last_B = jnp.full((B,), -1, jnp.int32)
   else:
     full = read(payload, scale, resid, layer, positions_BS, group,
@@ -137,7 +147,7 @@ def _write_many(payload, scale, resid, layer, positions_BS, slots_BT,
   written_B = jnp.max(jnp.where(slots_BT < S, slots_BT, -1), axis=1)
   newest_B = jnp.maximum(last_B, written_B)
   group_B = jnp.where(newest_B >= 0, newest_B // group, 0)
-  q, s = quant.quantize_groups(full, group, -2)
+  q, s = quant.quantize_groups(full, group, -2, payload.dtype)
   r = jax.vmap(lambda f, start: jax.lax.dynamic_slice_in_dim(
       f, start, group, axis=f.ndim - 2))(full, group_B * group)
   return dict(payload=payload.at[layer].set(q), scale=scale.at[layer].set(s),

@@ -478,7 +478,7 @@ def _write(cache: PagedKV, layer, slots_BT, a_BT, b_BT):
     X = cache.policy.key_group
     page_B, slot_B = page_BT[:, 0], slots_BT[:, 0]
     r, q, s = kivi.one_token(resid[r_name][layer], slot_B, x[:, 0], X,
-                             page_B < Z)
+                             page_B < Z, pool[payload].dtype)
     first_B = (slot_B % Y) // X * X
     pool[payload] = _put(
         pool[payload], layer, jnp.repeat(page_B[:, None], X, axis=1),

@@ -15,7 +15,8 @@ Store quantized, attend in float. Four storage forms:
   int8               round(x / scale), symmetric, scale = max|x| / 127:
                      per token (one scale per vector along the last axis:
                      `quantize`), or per channel over a group of tokens
-                     (KIVI's key quantization: `quantize_groups`).
+                     (KIVI's key quantization: `quantize_groups`, int8 or
+                     int4).
   int4               round(x / scale) in [-7, 7], symmetric, scale =
                      max|x| / 7 per token (one scale per vector along the
                      last axis, as int8's `quantize`), two codes per byte in
@@ -142,32 +143,46 @@ def dequantize(stored, scale, dtype):
   return (stored.astype(jnp.float32) * scale[..., None]).astype(dtype)
 
 
-def quantize_groups(x, group: int, axis: int):
-  """Per-channel int8 over groups of `group` tokens (KIVI keys).
+def quantize_groups(x, group: int, axis: int, storage=jnp.int8):
+  """Per-channel codes over groups of `group` tokens (KIVI keys).
 
   Args:
     x: [..., S, channels] with the token axis at `axis` (negative, before
       the channel axis); S must be a multiple of `group`.
+    storage: int8 (codes in [-127, 127], scale max|x| / 127) or
+      `INT4_PAIRS` (codes in [-7, 7], scale max|x| / 7, packed two a byte
+      along the channel axis as `pack_int4`: stored [..., S, channels / 2]).
   Returns:
-    (stored int8 like x, scale [..., S / group, channels] float32): every
-    channel of every group of `group` consecutive tokens has its own scale
-    max|x| / 127 over those tokens.
+    (stored, scale [..., S / group, channels] float32): every channel of
+    every group of `group` consecutive tokens has its own scale over those
+    tokens.
   """
+  storage = jnp.dtype(storage)
+  if storage not in (jnp.int8, INT4_PAIRS):
+    raise ValueError(f"grouped quantization stores int8 or int4, got "
+                     f"{storage}")
   shape = x.shape
   S = shape[axis]
   if S % group:
     raise ValueError(f"token axis of length {S} is not a multiple of the "
                      f"quantization group {group}")
   axis = axis % x.ndim
+  if axis == x.ndim - 1:
+    raise ValueError("the token axis must come before the channel axis")
+  qmax = INT4_MAX if storage == INT4_PAIRS else 127
   x32 = x.astype(jnp.float32).reshape(shape[:axis] + (S // group, group) +
                                       shape[axis + 1:])
-  scale = jnp.max(jnp.abs(x32), axis=axis + 1) / 127.0
-  q = _symmetric_int8(x32, jnp.expand_dims(scale, axis + 1))
-  return q.reshape(shape), scale
+  scale = jnp.max(jnp.abs(x32), axis=axis + 1) / float(qmax)
+  safe = jnp.expand_dims(jnp.where(scale > 0, scale, 1.0), axis + 1)
+  q = jnp.clip(jnp.round(x32 / safe), -qmax, qmax).astype(jnp.int8)
+  q = q.reshape(shape)
+  return (pack_int4(q) if storage == INT4_PAIRS else q), scale
 
 
 def dequantize_groups(stored, scale, group: int, axis: int, dtype):
-  """Inverse of `quantize_groups`."""
+  """Inverse of `quantize_groups` (int4: stored [..., channels / 2])."""
+  if stored.dtype == INT4_PAIRS:
+    stored = unpack_int4(stored)
   shape = stored.shape
   axis = axis % stored.ndim
   S = shape[axis]

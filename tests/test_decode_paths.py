@@ -39,7 +39,7 @@ WINDOW, SINKS = 8, 4  # positional policies evict: 18 tokens in 8 slots
 
 VARIANTS = ("mha", "mqa", "gqa", "mla")
 POLICIES = ("none", "window", "sinks", "h2o", "snapkv", "pyramid")
-KV = ("float32", "bfloat16", "int8", "int8-kivi")
+KV = ("float32", "bfloat16", "int8", "int8-kivi", "int4-kivi")
 CACHE_LAYOUTS = ("stacked", "blocked")
 PARAMS = ("canonical", "packed")
 AXES = dict(variant=VARIANTS, policy=POLICIES, kv=KV, layout=CACHE_LAYOUTS,
@@ -52,7 +52,7 @@ def valid(variant, policy, kv, layout, params) -> bool:
       variant != "mla" and policy == "none" and params == "packed" and
       kv in ("float32", "bfloat16")):
     return False  # decode.plan: GQA family, float, segments, per-layer
-  if kv == "int8-kivi" and policy != "none":
+  if kv.endswith("-kivi") and policy != "none":
     return False  # KIVI: eviction 'none' only
   if policy == "snapkv" and variant == "mla":
     return False  # MLA's latent is shared by its heads: no head scope
@@ -89,8 +89,8 @@ CASES = covering(AXES, valid, start=FAST_CASES)
 
 
 def policy_of(policy: str, kv: str) -> cache_lib.CachePolicy:
-  storage = dict(kv_dtype="int8", key_quant="channel", key_group=4) if (
-      kv == "int8-kivi") else dict(kv_dtype=kv)
+  storage = dict(kv_dtype=kv.split("-")[0], key_quant="channel",
+                 key_group=4) if kv.endswith("-kivi") else dict(kv_dtype=kv)
   by_name = dict(
       none=dict(), window=dict(eviction="window"),
       sinks=dict(eviction="sinks", num_sinks=SINKS),
@@ -168,7 +168,7 @@ class DecodePathTest(parameterized.TestCase):
     ref = references.masked_forward(tiny_params(variant), config, tokens,
                                     mask_of(policy, n))
     assert_close(logits, ref[:, PROMPT - 1:], config,
-                 cache="int8" if kv == "int8-kivi" else kv)
+                 cache=kv.split("-")[0])
     if policy in ("window", "sinks"):
       # The positional policies did evict: the unbounded forward differs.
       full = references.masked_forward(tiny_params(variant), config, tokens,

@@ -295,11 +295,14 @@ class BadInputTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "last axis=7"):
       quant.pack_int4(jnp.zeros((2, 7), jnp.int8))
 
-  def test_kivi_keys_need_int8(self):
-    with self.assertRaisesRegex(ValueError, "kv_dtype='int8'"):
-      kvjax.CachePolicy(kv_dtype="int4", key_quant="channel")
-    with self.assertRaisesRegex(ValueError, "key_group"):
-      kvjax.kv_bytes_per_token(tiny("gqa"), "int4", key_group=4)
+  def test_kivi_keys_need_integer_codes(self):
+    # KIVI keys are int8 or int4 codes (tests/test_kivi.py); a float cache
+    # has no codes to group.
+    kvjax.CachePolicy(kv_dtype="int4", key_quant="channel")
+    with self.assertRaisesRegex(ValueError, "got 'float16'"):
+      kvjax.CachePolicy(kv_dtype="float16", key_quant="channel")
+    with self.assertRaisesRegex(ValueError, "key_group.*got 'bfloat16'"):
+      kvjax.kv_bytes_per_token(tiny("gqa"), "bfloat16", key_group=4)
 
   def test_cache_of_another_width_names_the_field(self):
     # The packed width is read as the head_dim it stores (2 x H / 2).

@@ -1,4 +1,4 @@
-"""KIVI per-channel int8 keys (`CachePolicy(key_quant='channel')`).
+"""KIVI per-channel int8 and int4 keys (`CachePolicy(key_quant='channel')`).
 
 Invariant (kvjax/kivi.py): every complete key group is stored as
 `quant.quantize_groups` of its full-precision rows, the newest group is read
@@ -30,6 +30,10 @@ from tiny_models import tiny, tiny_params
 GROUP, S, B = 4, 32, 2
 KIVI = kvjax.CachePolicy(kv_dtype="int8", key_quant="channel",
                          key_group=GROUP)
+# KIVI's 4-bit setting: int4 keys per channel, int4 values per token.
+KIVI4 = kvjax.CachePolicy(kv_dtype="int4", key_quant="channel",
+                          key_group=GROUP)
+POLICIES = {"int8": KIVI, "int4": KIVI4}
 
 
 def _tokens(config, n, batch=B, seed=1):
@@ -76,23 +80,30 @@ def _slots_first(x):
   return jnp.moveaxis(x, -2, 1)
 
 
-def _assert_same_quantization(stored, want, ref, scale_groups):
-  """int8 values equal, except where the float value lies within rounding
+def _codes(x):
+  """Integer codes of an int8 or int4 (two a byte) payload."""
+  return np.asarray(quant.unpack_int4(x) if x.dtype == quant.INT4_PAIRS
+                    else x, np.int32)
+
+
+def _assert_same_quantization(stored, want, ref, scale_groups, qmax=127):
+  """Codes equal, except where the float value lies within rounding
   distance of a quantization boundary: the two programs compute it with
   different fusions, so it may round either way (`kvjax.tolerance`).
 
-  stored, want: int8 [n, ...]; ref: the float values [n, ...];
-  scale_groups: their per-channel scales [n / GROUP, ...].
+  stored, want: int8 / int4 payloads [n, ...]; ref: the float values
+  [n, ...]; scale_groups: their per-channel scales [n / GROUP, ...]; qmax:
+  the largest code (127 or 7).
   """
-  stored, want = np.asarray(stored, np.int32), np.asarray(want, np.int32)
+  stored, want = _codes(stored), _codes(want)
   differ = stored != want
   if not differ.any():
     return
   steps = np.asarray(ref) / np.repeat(np.asarray(scale_groups), GROUP,
                                       axis=0)[:len(stored)]
   # x / scale carries the relative error of x and of the scale (two
-  # roundings), in units of the 127-level step.
-  slack = 127 * 2 * tolerance(depth=1).rtol
+  # roundings), in units of the qmax-level step.
+  slack = qmax * 2 * tolerance(depth=1).rtol
   near = np.abs(np.abs(steps - np.trunc(steps)) - 0.5) <= slack
   np.testing.assert_array_less(np.abs(stored - want), 2)
   np.testing.assert_array_equal(differ & ~near, False)
@@ -104,7 +115,8 @@ def assert_invariant(test, cache, ref_cache, lengths):
   for (payload, scale, resid), ref in zip(_triples(cache),
                                           _float_rows(ref_cache)):
     ref = ref[0]
-    q, sc = quant.quantize_groups(ref, GROUP, -2)
+    qmax = quant.INT4_MAX if payload.dtype == quant.INT4_PAIRS else 127
+    q, sc = quant.quantize_groups(ref, GROUP, -2, payload.dtype)
     got = kivi.read(payload, scale, resid, 0, cache.positions, GROUP,
                     jnp.float32)
     stored, q, sc = (_slots_first(payload[0]), _slots_first(q),
@@ -117,14 +129,14 @@ def assert_invariant(test, cache, ref_cache, lengths):
       # Complete groups: the int8 values and scales of a one-shot
       # quantization.
       _assert_same_quantization(stored[b, done], q[b, done], ref_s[b, done],
-                                sc[b, :newest])
+                                sc[b, :newest], qmax)
       assert_close(stored_scale[b, :newest], sc[b, :newest], depth=1)
       # The newest group is read exactly from the residual ...
       new = slice(newest * GROUP, (newest + 1) * GROUP)
       assert_close(got[b, new], ref_s[b, new], depth=1)
       # ... and its int8 copy is already the group's quantization so far.
       _assert_same_quantization(stored[b, new], q[b, new], ref_s[b, new],
-                                sc[b, newest:newest + 1])
+                                sc[b, newest:newest + 1], qmax)
       # Empty slots hold zeros.
       test.assertEqual(float(jnp.abs(stored[b, n:]).max(initial=0)), 0)
 
@@ -150,6 +162,38 @@ class QuantizeGroupsTest(parameterized.TestCase):
     np.testing.assert_array_equal(q2, q)
     assert_close(s2, s, depth=1)
 
+  def test_int4_round_trip_packs_the_channels(self):
+    x = jax.random.normal(jax.random.key(0), (2, 3, 8, 6)) * jnp.arange(
+        1.0, 7.0)[None, None, None]
+    q, s = quant.quantize_groups(x, 4, -2, quant.INT4_PAIRS)
+    self.assertEqual(q.dtype, quant.INT4_PAIRS)
+    chex.assert_shape(q, (2, 3, 8, 3))  # two codes a byte
+    chex.assert_shape(s, (2, 3, 2, 6))
+    want = jnp.max(jnp.abs(x.reshape(2, 3, 2, 4, 6)), axis=3) / 7.0
+    assert_close(s, want, depth=1)
+    codes = quant.unpack_int4(q)
+    self.assertLessEqual(int(jnp.abs(codes).max()), quant.INT4_MAX)
+    # The packing is `pack_int4` of the int8-width codes at 7 levels.
+    np.testing.assert_array_equal(quant.pack_int4(codes), q)
+    back = quant.dequantize_groups(q, s, 4, -2, jnp.float32)
+    chex.assert_shape(back, x.shape)
+    err = jnp.abs(back - x).reshape(2, 3, 2, 4, 6)
+    self.assertTrue(bool(jnp.all(
+        err <= s[:, :, :, None] * (0.5 + tolerance(depth=1).rtol))))
+    # Each group's largest channel value is a code of +-7 exactly.
+    self.assertTrue(bool(jnp.all(jnp.max(jnp.abs(codes.reshape(
+        2, 3, 2, 4, 6)), axis=3) == quant.INT4_MAX)))
+    q2, _ = quant.quantize_groups(back, 4, -2, quant.INT4_PAIRS)
+    np.testing.assert_array_equal(q2, q)
+
+  def test_grouped_storage_and_axis_are_checked(self):
+    with self.assertRaisesRegex(ValueError, "int8 or int4"):
+      quant.quantize_groups(jnp.zeros((4, 2)), 2, -2, jnp.float32)
+    with self.assertRaisesRegex(ValueError, "before the channel axis"):
+      quant.quantize_groups(jnp.zeros((2, 4)), 2, -1)
+    with self.assertRaisesRegex(ValueError, "multiple of 2"):
+      quant.quantize_groups(jnp.zeros((4, 3)), 2, -2, quant.INT4_PAIRS)
+
   def test_zero_group_is_zero_not_nan(self):
     q, s = quant.quantize_groups(jnp.zeros((4, 3)), 2, -2)
     np.testing.assert_array_equal(s, 0)
@@ -166,31 +210,50 @@ class KiviCacheTest(chex.TestCase, parameterized.TestCase):
   # Fast tier: a GQA prompt of two whole groups and one token, an MLA prompt
   # inside its first group.
   @cases.product(variant=("gqa", "mha", "mqa", "mla"), n_prompt=(3, 4, 9),
-                 slow=lambda variant, n_prompt: (variant, n_prompt) not in (
-                     ("gqa", 9), ("mla", 3)))
-  def test_decode_keeps_the_invariant(self, variant, n_prompt):
+                 bits=("int8", "int4"),
+                 slow=lambda variant, n_prompt, bits: (variant, n_prompt) not in
+                 (("gqa", 9), ("mla", 3)))
+  def test_decode_keeps_the_invariant(self, variant, n_prompt, bits):
     config = tiny(variant)
     n = 19
     tokens = _tokens(config, n)
     ref_logits, ref = prefill_then_decode(variant, kvjax.CachePolicy(),
                                           tokens, n_prompt)
-    got_logits, cache = prefill_then_decode(variant, KIVI, tokens, n_prompt)
+    got_logits, cache = prefill_then_decode(variant, POLICIES[bits], tokens,
+                                            n_prompt)
     assert_invariant(self, cache, ref, [n] * B)
     chex.assert_tree_all_finite(got_logits)
-    # Keys within int8 per-channel rounding: logits stay close to float32.
-    assert_close(got_logits, ref_logits, config, cache="int8")
+    # Keys within per-channel rounding (values per token) at the code
+    # width: logits stay close to float32.
+    assert_close(got_logits, ref_logits, config, cache=bits)
+
+  def test_int4_keys_beat_int4_per_token_on_outlier_channels(self):
+    # KIVI's premise: with a few large fixed channels, a per-token scale
+    # spends its 7 levels on them and rounds the rest to zero; per-channel
+    # groups keep every channel at its own scale.
+    x = jax.random.normal(jax.random.key(3), (64, 16))
+    x = x.at[:, :2].multiply(30.0)  # two outlier channels
+    per_token = quant.dequantize(*quant.quantize(x, quant.INT4_PAIRS),
+                                 jnp.float32)
+    per_channel = quant.dequantize_groups(
+        *quant.quantize_groups(x, GROUP, -2, quant.INT4_PAIRS), GROUP, -2,
+        jnp.float32)
+    err = lambda y: float(jnp.sqrt(jnp.mean(jnp.square(y - x)[:, 2:])))
+    self.assertLess(err(per_channel), 0.5 * err(per_token))
 
   @cases.product(chunk=(1, 3, 5), variant=("gqa", "mla"),
-                 slow=lambda chunk, variant: (chunk, variant) != (3, "gqa"))
-  def test_chunked_prefill_keeps_the_invariant(self, chunk, variant):
+                 bits=("int8", "int4"),
+                 slow=lambda chunk, variant, bits: (chunk, variant) != (
+                     3, "gqa"))
+  def test_chunked_prefill_keeps_the_invariant(self, chunk, variant, bits):
     config, params = tiny(variant), tiny_params(variant)
     n = 13  # chunks of 3 and 5 straddle the groups of 4
     tokens = _tokens(config, n)
     _, ref = kvjax.prefill(params, config, tokens,
                            kvjax.init_cache(config, B, S))
     _, cache = kvjax.prefill_chunked(
-        params, config, tokens, kvjax.init_cache(config, B, S, policy=KIVI),
-        chunk)
+        params, config, tokens,
+        kvjax.init_cache(config, B, S, policy=POLICIES[bits]), chunk)
     assert_invariant(self, cache, ref, [n] * B)
 
   # Slow tier: test_ragged.py checks left padding in the fast tier.
@@ -230,6 +293,31 @@ class KiviCacheTest(chex.TestCase, parameterized.TestCase):
     self.assertEqual(per_token,
                      L * (2 * K * H + 4 * K + 4 * K * H // GROUP))
 
+  @cases.variants(("gqa", "mla"))
+  def test_int4_bytes(self, variant):
+    config, params = tiny(variant), tiny_params(variant)
+    toks, _, cache = kvjax.generate(params, config, _tokens(config, 5), 6,
+                                    policy=KIVI4, capacity=S,
+                                    return_cache=True)
+    chex.assert_shape(toks, (B, 6))
+    L = config.num_layers
+    per_token = kvjax.kv_bytes_per_token(config, "int4", key_group=GROUP)
+    got = kvjax.cache_bytes(cache)
+    self.assertEqual(got["kv"], per_token * B * S)
+    if variant == "mla":
+      C, R = config.kv_lora_rank, config.qk_rope_head_dim
+      chex.assert_shape(cache.c_kv, (L, B, S, C // 2))
+      # Half a byte per channel, plus the per-channel group scales.
+      self.assertEqual(per_token, L * ((C + R) // 2 + 4 * (C + R) // GROUP))
+      self.assertEqual(got["residual"], L * B * GROUP * (C + R) * 4)
+    else:
+      K, H = config.num_kv_heads, config.head_dim
+      chex.assert_shape(cache.k, (L, B, K, S, H // 2))
+      chex.assert_shape(cache.k_scale, (L, B, K, S // GROUP, H))
+      self.assertEqual(per_token,
+                       L * (K * H + 4 * K + 4 * K * H // GROUP))
+      self.assertEqual(got["residual"], cache.k_resid.nbytes)
+
   def test_default_capacity_is_whole_groups(self):
     config, params = tiny("gqa"), tiny_params("gqa")
     policy = kvjax.CachePolicy(kv_dtype="int8", key_quant="channel",
@@ -263,7 +351,7 @@ class KiviBadInputTest(parameterized.TestCase):
 
   @parameterized.named_parameters(
       ("float_cache", dict(kv_dtype="float32", key_quant="channel"),
-       "needs kv_dtype='int8'"),
+       r"needs kv_dtype in \('int8', 'int4'\), got 'float32'"),
       ("eviction", dict(kv_dtype="int8", key_quant="channel",
                         eviction="window"), "needs eviction='none'"),
       ("group", dict(kv_dtype="int8", key_quant="channel", key_group=0),

@@ -4,7 +4,7 @@ Invariants:
   * prefill, decode and extend through a block table (pages in a random
     order) give the logits and tokens of the contiguous cache, and the
     pages hold what the contiguous cache holds, for MHA, MQA, GQA and MLA,
-    every kv dtype (float32, bfloat16, float16, int8, KIVI int8) and a
+    every kv dtype (float32, bfloat16, float16, int8, KIVI int8 / int4) and a
     ragged batch;
   * `decode_loop` (k steps reading and writing the pool in place) equals
     k contiguous steps, for every variant and dtype; rows past their
@@ -32,6 +32,7 @@ import kvjax
 from kvjax import cache as cache_lib
 from kvjax import errors
 from kvjax import paged as pg
+from kvjax import quant
 from kvjax.sampling import GREEDY
 from kvjax.tolerance import assert_close
 from configs import model as model_presets
@@ -51,7 +52,10 @@ POLICIES = tuple(cache_lib.CachePolicy(kv_dtype=d) for d in
                  ("float32", "bfloat16", "float16", "int8")) + (
                      cache_lib.CachePolicy(kv_dtype="int8",
                                            key_quant="channel",
-                                           key_group=8),)
+                                           key_group=8),
+                     cache_lib.CachePolicy(kv_dtype="int4",
+                                           key_quant="channel",
+                                           key_group=8))
 CASES = [(f"_{v}_{policy_name(p)}", v, p) for v in VARIANTS
          for p in POLICIES]
 FAST = ("_gqa_float32", "_mla_float32")  # one KVCache, one LatentCache
@@ -333,13 +337,14 @@ class BytesTest(parameterized.TestCase):
     leaves = sum(x.nbytes for x in jax.tree_util.tree_leaves(paged))
     self.assertEqual(got["total"], leaves)
     if config.attention == "mla":
-      chex.assert_shape(paged.pool["c_kv"], (config.num_layers, 6, Y,
-                                             config.kv_lora_rank))
+      chex.assert_shape(paged.pool["c_kv"], (
+          config.num_layers, 6, Y,
+          quant.packed_width(policy.kv_dtype, config.kv_lora_rank, "C")))
       self.assertNotIn("k", paged.pool)  # latent pages: no per-head K/V
     else:
-      chex.assert_shape(paged.pool["k"], (config.num_layers, 6,
-                                          config.num_kv_heads, Y,
-                                          config.head_dim))
+      chex.assert_shape(paged.pool["k"], (
+          config.num_layers, 6, config.num_kv_heads, Y,
+          quant.packed_width(policy.kv_dtype, config.head_dim, "H")))
 
   def test_allocated_and_used_count_shared_pages_once(self):
     config = tiny("gqa")

@@ -530,14 +530,17 @@ class PolicyTest(parameterized.TestCase):
       self.assertEqual(got, kvjax.kv_bytes_per_token(config, kv_dtype) * 26,
                        kv_dtype)
 
-  def test_kivi_bytes_and_capacity(self):
+  @parameterized.parameters(("kivi", "int8"), ("kivi4", "int4"))
+  def test_kivi_bytes_and_capacity(self, kv_format, codes):
     # Whole 32-token key groups, and the float32 residual group on top of
     # the per-token bytes (L 1, K 1, H 16).
     config, _ = _tiny_model()
-    spec = task_eval.parse_policy("full", "kivi")
+    spec = task_eval.parse_policy("full", kv_format)
+    self.assertEqual(spec.at(64).kv_dtype, codes)
+    self.assertTrue(spec.at(64).channel_keys)
     cap = spec.capacity(0.5, 256, 5)
     self.assertEqual(cap, 288)
-    per_token = kvjax.kv_bytes_per_token(config, "int8", key_group=32)
+    per_token = kvjax.kv_bytes_per_token(config, codes, key_group=32)
     self.assertEqual(task_eval.sequence_kv_bytes(config, spec.at(cap), cap),
                      per_token * cap + 1 * 1 * 32 * 16 * 4)
 
@@ -567,6 +570,8 @@ class PolicyTest(parameterized.TestCase):
       task_eval.parse_policy("window", "int3")
     with self.assertRaisesRegex(ValueError, "kv_dtype='kivi'.*'full'"):
       task_eval.parse_policy("window", "kivi")
+    with self.assertRaisesRegex(ValueError, "kv_dtype='kivi4'.*'full'"):
+      task_eval.parse_policy("h2o", "kivi4")
     with self.assertRaisesRegex(ValueError, "'@stream' is for scored"):
       task_eval.parse_policy("sinks4@stream")
 

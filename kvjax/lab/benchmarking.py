@@ -350,15 +350,17 @@ def decode_bytes_per_step(params, config: ModelConfig, batch: int,
 
 # ---- cache kinds compared by the benchmarks ---------------------------------
 KIVI_GROUP = 32  # KIVI's group size for per-channel keys
-CACHE_KINDS = ("float32", "bfloat16", "float16", "int8", "int4", "int8-kivi")
+CACHE_KINDS = ("float32", "bfloat16", "float16", "int8", "int4", "int8-kivi",
+               "int4-kivi")
 
 
 def cache_policy(kind: str) -> cache_lib.CachePolicy:
-  """The CachePolicy of a benchmark cache kind: a kv dtype, or 'int8-kivi'
-  (int8 values per token, keys per channel in groups of KIVI_GROUP)."""
-  if kind == "int8-kivi":
-    return cache_lib.CachePolicy(kv_dtype="int8", key_quant="channel",
-                                 key_group=KIVI_GROUP)
+  """The CachePolicy of a benchmark cache kind: a kv dtype, or 'int8-kivi' /
+  'int4-kivi' (values per token, keys per channel in groups of KIVI_GROUP,
+  at 8 or 4 bits: KIVI's settings)."""
+  if kind in ("int8-kivi", "int4-kivi"):
+    return cache_lib.CachePolicy(kv_dtype=kind.split("-")[0],
+                                 key_quant="channel", key_group=KIVI_GROUP)
   if kind not in cache_lib.KV_DTYPES:
     raise ValueError(f"cache kind {kind!r} is not one of {CACHE_KINDS}")
   return cache_lib.CachePolicy(kv_dtype=kind)

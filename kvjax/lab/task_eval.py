@@ -60,7 +60,10 @@ _SCORED = tuple(n for n, cls in policies.REGISTRY.items()
                 if issubclass(cls, policies.Scored))
 _POLICY = re.compile(r"^(full|window|sinks(\d+)|" + "|".join(_SCORED) +
                      r")(?::(original|cache))?(@stream)?$")
-KV_FORMATS = cache_lib.KV_DTYPES + ("kivi",)
+# KIVI: keys per channel in groups of tokens, values per token, at 8 or 4
+# bits (its 4-bit setting: 'kivi4').
+KIVI_FORMATS = {"kivi": "int8", "kivi4": "int4"}
+KV_FORMATS = cache_lib.KV_DTYPES + tuple(KIVI_FORMATS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,9 +81,9 @@ class PolicySpec:
     (at their rank in the cache, StreamingLLM's choice). Defaults: full,
     window and per-layer/head policies 'original', sinks and global scored
     policies 'cache' (as `kvjax.lab.streaming`).
-  kv_dtype: a `kvjax.cache.KV_DTYPES` storage dtype, or 'kivi' (int8 keys
-    per channel in groups of 32 tokens, values per token: KIVI; eviction
-    'none' only, so policy 'full').
+  kv_dtype: a `kvjax.cache.KV_DTYPES` storage dtype, or 'kivi' / 'kivi4'
+    (int8 / int4 keys per channel in groups of 32 tokens, values per token
+    at the same width: KIVI; eviction 'none' only, so policy 'full').
   stream: feed the prompt token by token through decode steps even where
     the policy could compress it at prefill ('@stream' in the name): the
     decode-time eviction to compare with prefill-time compression.
@@ -100,8 +103,8 @@ class PolicySpec:
             f"{self.name} [{self.kv_dtype}]")
 
   def _storage(self) -> dict:
-    if self.kv_dtype == "kivi":
-      return dict(kv_dtype="int8", key_quant="channel")
+    if self.kv_dtype in KIVI_FORMATS:
+      return dict(kv_dtype=KIVI_FORMATS[self.kv_dtype], key_quant="channel")
     return dict(kv_dtype=self.kv_dtype)
 
   def at(self, capacity: int) -> kvjax.CachePolicy:
@@ -170,7 +173,7 @@ def parse_policy(name: str, kv_dtype: str = "float32") -> PolicySpec:
 
   Raises:
     ValueError: an unknown name (the message lists the forms), an unknown
-      kv_dtype, or 'kivi' with an evicting policy.
+      kv_dtype, or 'kivi' / 'kivi4' with an evicting policy.
   """
   m = _POLICY.match(name)
   if not m:
@@ -183,8 +186,8 @@ def parse_policy(name: str, kv_dtype: str = "float32") -> PolicySpec:
   sinks = int(m.group(2)) if m.group(2) else 0
   if kind == "sinks" and sinks < 1:
     raise ValueError(f"policy {name!r}: sinks<n> needs n >= 1")
-  if kv_dtype == "kivi" and kind != "full":
-    raise ValueError(f"kv_dtype='kivi' quantizes keys in groups of tokens "
+  if kv_dtype in KIVI_FORMATS and kind != "full":
+    raise ValueError(f"kv_dtype={kv_dtype!r} quantizes keys in groups of tokens "
                      f"and needs policy 'full' (no eviction), got {name!r}")
   if kind in ("full", "window"):
     default = "original"
