@@ -25,7 +25,7 @@ cache (kvjax.CachePolicy, plus capacity):
              skips the per-step key rotation; per-layer / per-head policies
              need it; see kvjax/cache.py).
   kv_dtype, key_quant, key_group   storage (float32, bfloat16, float16,
-             int8, int4; KIVI per-channel int8 / int4 keys with
+             int8, int4, int2; KIVI per-channel integer keys with
              key_quant='channel')
 
 `python experiments/generate.py --show_config` prints every field.
@@ -96,7 +96,7 @@ def get_config(arg: str = "gqa-medium") -> ml_collections.ConfigDict:
       # further options of the eviction policy, "key=value,..." (e.g.
       # "window=16,scope=head" for snapkv): see kvjax/policies/.
       options="",
-      # key_quant 'channel': KIVI per-channel keys (kv_dtype int8 or int4).
+      # key_quant 'channel': KIVI per-channel keys (kv_dtype int8, int4, int2).
       kv_dtype="float32", key_quant="token", key_group=32))
   # positions follows eviction until it is set (an override sets it for
   # good): a lazily computed reference. ml_collections has no public

@@ -111,8 +111,9 @@ _SWEEP_BATCHES = cli.DEFINE_int_list("sweep_batches", [1, 8],
 _SWEEP_DTYPES = cli.DEFINE_choice_list(
     "sweep_dtypes", list(KV_DTYPES), bm.CACHE_KINDS,
     "Cache kinds of the sweep (the first is the baseline of its speed-ups): "
-    "kv dtypes (float32, bfloat16, float16, int8, int4) or int8-kivi / "
-    "int4-kivi (KIVI: per-channel keys at 8 / 4 bits).")
+    "kv dtypes (float32, bfloat16, float16, int8, int4, int2) or "
+    "int8-kivi / int4-kivi / int2-kivi (KIVI: per-channel keys at 8 / 4 / "
+    "2 bits).")
 _SWEEP_STEPS = flags.DEFINE_integer(
     "sweep_steps", 16, "Decode steps per timed loop of the sweep.",
     lower_bound=1)

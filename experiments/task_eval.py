@@ -83,8 +83,9 @@ _POLICIES = flags.DEFINE_list(
     "of compressing the prompt at prefill.")
 _KV_DTYPES = flags.DEFINE_list(
     "kv_dtypes", "float32",
-    f"Cache storage formats from {task_eval.KV_FORMATS} ('kivi' and "
-    "'kivi4', KIVI at 8 and 4 bits, run with policy 'full' only).")
+    f"Cache storage formats from {task_eval.KV_FORMATS} ('kivi', "
+    "'kivi4' and 'kivi2', KIVI at 8, 4 and 2 bits, run with policy 'full' "
+    "only).")
 _SEEDS = flags.DEFINE_integer(
     "seeds", 3, "Independent draws of the task data (seeds --seed, "
     "--seed + 10000, ...): accuracy is reported pooled and per draw.")

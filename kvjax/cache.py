@@ -44,10 +44,11 @@ from kvjax.validate import check_int
 
 EVICTIONS = tuple(policies.REGISTRY)
 POSITION_MODES = ("original", "cache")
-KV_DTYPES = ("float32", "bfloat16", "float16", "int8", "int4")
-QUANTIZED = ("int8", "int4")  # kv dtypes stored as codes and float32 scales
+KV_DTYPES = ("float32", "bfloat16", "float16", "int8", "int4", "int2")
+# kv dtypes stored as codes and float32 scales (int2: scales and zeros).
+QUANTIZED = ("int8", "int4", "int2")
 KEY_QUANT = ("token", "channel")
-CHANNEL_KEY_DTYPES = QUANTIZED  # key_quant='channel' (KIVI): int8 or int4 codes
+CHANNEL_KEY_DTYPES = QUANTIZED  # key_quant='channel' (KIVI): any code width
 EMPTY = -1  # position stored in a slot that holds no token
 
 
@@ -93,14 +94,16 @@ class CachePolicy:
     float32 scale per token and head (MLA: per token and latent array).
     int4 packs two codes a byte: the payload's last axis is H / 2 (MLA:
     C / 2, R / 2), so those widths must be even (`init_cache` raises
-    naming the field; `kvjax.quant`).
-  key_quant (int8 and int4 only):
+    naming the field; `kvjax.quant`). int2 (KIVI's 2-bit setting) stores
+    asymmetric codes, eight an int16 (widths multiples of 8), with a
+    float32 scale and zero per token and head (`kvjax.quant`).
+  key_quant (int8, int4 and int2 only):
     token    keys quantized like values: one scale per token and head.
     channel  KIVI (Liu et al. 2024): keys quantized per channel over groups
              of `key_group` consecutive tokens (key outliers sit in fixed
              channels, so a per-channel scale wastes fewer levels), at
-             the kv_dtype's width: int8, or int4 codes two a byte (KIVI's
-             4-bit setting; values int4 per token, as kv_dtype='int4'). The
+             the kv_dtype's width: int8, or int4 / int2 codes (KIVI's 4-
+             and 2-bit settings; values per token at the same width). The
              newest, incomplete group is also kept in float32 (the
              residual) and attention reads it from there; each decode step
              re-quantizes that one group, so a group's final int8 values
@@ -146,8 +149,8 @@ class CachePolicy:
           "ranks are per sequence)")
     if self.key_quant == "channel":
       if self.kv_dtype not in CHANNEL_KEY_DTYPES:
-        raise ValueError(f"key_quant='channel' quantizes keys to int8 or "
-                         f"int4; it needs kv_dtype in {CHANNEL_KEY_DTYPES}, "
+        raise ValueError(f"key_quant='channel' quantizes keys to integer "
+                         f"codes; it needs kv_dtype in {CHANNEL_KEY_DTYPES}, "
                          f"got {self.kv_dtype!r}")
       if self.eviction != "none":
         raise ValueError(
@@ -326,7 +329,7 @@ def init_cache(config: ModelConfig, batch: int, capacity: int,
     config: the model.
     batch: B.
     capacity: S, slots per sequence.
-    dtype: storage dtype (float32, bfloat16, float16, int8 or int4);
+    dtype: storage dtype (float32, bfloat16, float16, int8, int4 or int2);
       overrides `policy.kv_dtype` when given.
     policy: eviction / position / quantization policy (default: unbounded
       float32, i.e. eviction='none').
@@ -359,19 +362,24 @@ def init_cache(config: ModelConfig, batch: int, capacity: int,
     budget = None
   q = policy.quantized
   packed = lambda w, field: quant.packed_width(policy.kv_dtype, w, field)
+  # int2 scales carry (scale, zero): per token a trailing pair, per channel
+  # group the scales then the zeros (`kvjax.quant`).
+  pair = policy.kv_dtype == "int2"
+  tok = (2,) if pair else ()
+  ch = 2 if pair else 1
   if config.attention == "mla":
     C, R = config.kv_lora_rank, config.qk_rope_head_dim
     Cp, Rp = packed(C, "kv_lora_rank"), packed(R, "qk_rope_head_dim")
     extra = {}
     if policy.channel_keys:
       g = policy.key_group
-      extra = dict(c_scale=jnp.zeros((L, B, S // g, C), jnp.float32),
-                   r_scale=jnp.zeros((L, B, S // g, R), jnp.float32),
+      extra = dict(c_scale=jnp.zeros((L, B, S // g, ch * C), jnp.float32),
+                   r_scale=jnp.zeros((L, B, S // g, ch * R), jnp.float32),
                    c_resid=jnp.zeros((L, B, g, C), jnp.float32),
                    r_resid=jnp.zeros((L, B, g, R), jnp.float32))
     elif q:
-      extra = dict(c_scale=jnp.zeros((L, B, S), jnp.float32),
-                   r_scale=jnp.zeros((L, B, S), jnp.float32))
+      extra = dict(c_scale=jnp.zeros((L, B, S) + tok, jnp.float32),
+                   r_scale=jnp.zeros((L, B, S) + tok, jnp.float32))
     return LatentCache(
         c_kv=jnp.zeros((L, B, S, Cp), store),
         k_rope=jnp.zeros((L, B, S, Rp), store),
@@ -379,18 +387,18 @@ def init_cache(config: ModelConfig, batch: int, capacity: int,
         errors=errors, budget=budget, **extra)
   K, H = config.num_kv_heads, config.head_dim
   Hp = packed(H, "head_dim")
-  k_scale = jnp.zeros((L, B, K, S), jnp.float32) if q else None
+  k_scale = jnp.zeros((L, B, K, S) + tok, jnp.float32) if q else None
   k_resid = None
   if policy.channel_keys:
     g = policy.key_group
-    k_scale = jnp.zeros((L, B, K, S // g, H), jnp.float32)
+    k_scale = jnp.zeros((L, B, K, S // g, ch * H), jnp.float32)
     k_resid = jnp.zeros((L, B, K, g, H), jnp.float32)
   return KVCache(
       k=jnp.zeros((L, B, K, S, Hp), store),
       v=jnp.zeros((L, B, K, S, Hp), store),
       positions=positions, length=length,
       k_scale=k_scale,
-      v_scale=jnp.zeros((L, B, K, S), jnp.float32) if q else None,
+      v_scale=jnp.zeros((L, B, K, S) + tok, jnp.float32) if q else None,
       scores=scores, k_resid=k_resid, errors=errors, budget=budget,
       policy=policy)
 
@@ -442,11 +450,13 @@ def kv_bytes_per_token(config: ModelConfig, dtype="float32", *,
 
   GQA: L × K × 2 × H × bytes; MLA: L × (C + R) × bytes, int4's bytes
   being 1/2 (two codes a byte; H, or C and R, must then be even: else a
-  ValueError naming the field). For int8 and int4 the float32 scales are
-  included: per token (and head), or with `key_group`
-  > 0 (KIVI per-channel keys) the value scales per token and the key scales
-  per channel and group, 4 × K × H / key_group bytes per token (MLA: the
-  latent's 4 × (C + R) / key_group; a float when that does not divide).
+  ValueError naming the field) and int2's 1/4 (eight codes an int16;
+  multiples of 8). For the integer forms the float32 scales are included
+  (int2: a scale and a zero, 8 bytes): per token (and head), or with
+  `key_group` > 0 (KIVI per-channel keys) the value scales per token and
+  the key scales per channel and group, 4 × K × H / key_group bytes per
+  token (int2: 8 ×; MLA: the latent's 4 × (C + R) / key_group; a float
+  when that does not divide).
   KIVI's float32 residual group is a fixed L × B × K × key_group × H × 4
   (MLA: L × B × key_group × (C + R) × 4) bytes, not per token
   (`cache_bytes`).
@@ -455,7 +465,8 @@ def kv_bytes_per_token(config: ModelConfig, dtype="float32", *,
   if name not in KV_DTYPES:
     raise ValueError(f"kv dtype {name!r} is not one of {KV_DTYPES}")
   width = lambda w, field: quant.packed_width(name, w, field)
-  # Storage elements per token and layer (int4: bytes of two codes each).
+  # Storage elements per token and layer (int4: bytes of two codes each;
+  # int2: int16s of eight).
   if config.attention == "mla":
     elements = (width(config.kv_lora_rank, "kv_lora_rank") +
                 width(config.qk_rope_head_dim, "qk_rope_head_dim"))
@@ -465,19 +476,21 @@ def kv_bytes_per_token(config: ModelConfig, dtype="float32", *,
   if key_group and name not in CHANNEL_KEY_DTYPES:
     raise ValueError(f"key_group (KIVI per-channel keys) needs a cache of "
                      f"{CHANNEL_KEY_DTYPES}, got {name!r}")
+  # Bytes of one scale: a float32, or int2's (scale, zero) pair.
+  scale_bytes = 8 if name == "int2" else 4
   if key_group:
     if config.attention == "mla":  # latent and rotary key, per channel
       value_scales = 0
       channels = config.kv_lora_rank + config.qk_rope_head_dim
     else:  # values per token and head, keys per channel
-      value_scales = 4 * config.num_kv_heads
+      value_scales = scale_bytes * config.num_kv_heads
       channels = config.num_kv_heads * config.head_dim
-    key_scales = 4 * channels / key_group
+    key_scales = scale_bytes * channels / key_group
     per_layer += value_scales + (int(key_scales) if key_scales.is_integer()
                                  else key_scales)
   elif name in QUANTIZED:  # one float32 scale per token and head / array
     scales = 2 if config.attention == "mla" else 2 * config.num_kv_heads
-    per_layer += 4 * scales
+    per_layer += scale_bytes * scales
   return config.num_layers * per_layer
 
 

@@ -1,5 +1,5 @@
-"""KIVI keys: int8 or int4 per channel over groups of tokens, newest group
-in float.
+"""KIVI keys: integer codes (8, 4 or 2 bits) per channel over groups of
+tokens, newest group in float.
 
 KIVI (Liu et al. 2024) observes that key outliers live in fixed channels, so
 keys are quantized per channel (one scale per channel over a group of
@@ -34,10 +34,12 @@ Two write paths keep it:
 Every function works on one (payload, scale, residual) triple of stacked
 arrays with the slot axis second to last in each layer: [L, B, ..., S,
 H | C | R] (the channels last: H for GQA keys, C or R for MLA's latents).
-The payload's dtype is the code width: int8, or int4 codes two a byte
+The payload's dtype is the code width: int8, int4 codes two a byte
 (`kvjax.quant.INT4_PAIRS`: the channel axis holds H / 2 bytes, packed as
-`quant.pack_int4`; KIVI's 4-bit setting when the cache's kv_dtype is
-'int4', whose values are then int4 per token).
+`quant.pack_int4`) or int2 codes eight an int16 (`quant.INT2_OCTETS`,
+asymmetric, the scale arrays holding the scales then the zeros): KIVI's 4-
+and 2-bit settings when the cache's kv_dtype is 'int4' or 'int2', whose
+values are then per token at the same width.
 """
 
 from __future__ import annotations
@@ -90,11 +92,13 @@ def one_token(resid, slot_B, new_row, group: int, valid_B,
   Args:
     resid: one layer's residuals [B, ..., X, H | C | R] (float32).
     new_row: [B, ..., H | C | R].
-    storage: the payload's dtype (int8, or `quant.INT4_PAIRS`).
+    storage: the payload's dtype (int8, `quant.INT4_PAIRS` or
+      `quant.INT2_OCTETS`).
   Returns:
     (new residual, its group quantized: q [B, ..., X, ...] in `storage`
-    (int4: the channel axis halved) and scale [B, ..., 1, ...]): the X
-    slots of the group that holds the slot.
+    (int4: the channel axis halved, int2: an eighth) and scale
+    [B, ..., 1, ...] (int2: scales then zeros)): the X slots of the group
+    that holds the slot.
   """
   B = slot_B.shape[0]
   b_B = jnp.arange(B)

@@ -133,23 +133,30 @@ SEQ_LOGITS_AXES = ("batch", None, "vocab")  # [B, T, V]
 def cache_axes(cache) -> Any:
   """Logical axes of every leaf of a `KVCache` / `LatentCache` (same
   pytree structure, tuples as leaves; absent optional fields stay None)."""
+  # int2 scales carry (scale, zero): a trailing pair per token, and per
+  # channel group the scales then the zeros (their channel axis is not the
+  # payload's, so it is not sharded with it).
+  pair = cache.policy.kv_dtype == "int2"
+  tok = (None,) if pair else ()
   if isinstance(cache, cache_lib.LatentCache):
     payload = ("layers", "batch", "cache_seq", "latent")  # c_kv, k_rope
-    scale = ("layers", "batch", "cache_seq")
+    scale = ("layers", "batch", "cache_seq") + tok
     fields = dict(c_kv=payload, k_rope=payload, c_scale=scale, r_scale=scale)
     if cache.policy.channel_keys:
       # KIVI: per-channel scales per group, the float newest group.
       group = ("layers", "batch", None, "latent")
-      fields.update(c_scale=group, r_scale=group, c_resid=group,
+      scales = ("layers", "batch", None, None if pair else "latent")
+      fields.update(c_scale=scales, r_scale=scales, c_resid=group,
                     r_resid=group)
   elif isinstance(cache, cache_lib.KVCache):
     payload = ("layers", "batch", "kv_heads", "cache_seq", "head_dim")
-    scale = ("layers", "batch", "kv_heads", "cache_seq")
+    scale = ("layers", "batch", "kv_heads", "cache_seq") + tok
     fields = dict(k=payload, v=payload, k_scale=scale, v_scale=scale)
     if cache.policy.channel_keys:
       # KIVI: per-channel key scales per group, the float newest group.
       fields.update(
-          k_scale=("layers", "batch", "kv_heads", None, "head_dim"),
+          k_scale=("layers", "batch", "kv_heads", None,
+                   None if pair else "head_dim"),
           k_resid=("layers", "batch", "kv_heads", None, "head_dim"))
   else:
     raise ValueError(f"not a kvjax cache: {type(cache).__name__}")

@@ -3,16 +3,17 @@
 Two kvjax programs that compute the same function (packed vs canonical
 params, a blocked vs a stacked cache, cached decode vs the no-cache forward,
 a sharded vs a single-device run, kvjax vs transformers) differ only by
-rounding; a lossy cache (bfloat16, float16, int8, int4) differs from float32
-by its storage error. Neither difference is a property of the host: which way a
-reassociated sum rounds depends on how XLA fuses it, and that differs
-between CPUs (AVX-512 vs AVX2 kernels). So a comparison's tolerance is
+rounding; a lossy cache (bfloat16, float16, int8, int4, int2) differs from
+float32 by its storage error. Neither difference is a property of the host:
+which way a reassociated sum rounds depends on how XLA fuses it, and that
+differs between CPUs (AVX-512 vs AVX2 kernels). So a comparison's tolerance is
 derived from the numbers compared, never tuned on one machine:
 
   u(d)   unit roundoff of dtype d: finfo(d).eps / 2 for floats (float32
          2^-24, float16 2^-11, bfloat16 2^-8); int8 (symmetric, 127 levels
          per scale): half a step, 1/254 of the scaled vector's maximum;
-         int4 (7 levels): 1/14 of it.
+         int4 (7 levels): 1/14 of it; int2 (asymmetric, 3 steps over
+         max - min <= 2 max|x|): 1/3 of it.
 
   rtol = depth · (REASSOC · u(compute) + STORE · u(cache))
   atol = rtol · scale
@@ -59,6 +60,8 @@ def unit_roundoff(dtype) -> float:
     return 1.0 / 254.0
   if name == "int4":
     return 1.0 / 14.0
+  if name == "int2":  # asymmetric: half of (max - min) / 3 <= max|x| / 3
+    return 1.0 / 3.0
   return float(np.finfo(np.dtype(name) if name != "bfloat16"
                         else jax.numpy.bfloat16).eps) / 2.0
 
@@ -82,7 +85,7 @@ def tolerance(config=None, *, compute=None, cache="float32",
       (num_layers + 1) are the defaults.
     compute: the compute dtype (default config.compute_dtype, else float32).
     cache: the cache's storage dtype name ('float32', 'bfloat16', 'float16',
-      'int8', 'int4'; KIVI's 'int8' as well).
+      'int8', 'int4', 'int2'; KIVI's as well).
     depth: layers the error passes through (default num_layers + 1, else 1).
   """
   if compute is None:

@@ -33,7 +33,10 @@ KIVI = kvjax.CachePolicy(kv_dtype="int8", key_quant="channel",
 # KIVI's 4-bit setting: int4 keys per channel, int4 values per token.
 KIVI4 = kvjax.CachePolicy(kv_dtype="int4", key_quant="channel",
                           key_group=GROUP)
-POLICIES = {"int8": KIVI, "int4": KIVI4}
+# And its 2-bit setting: asymmetric codes with a zero per group / token.
+KIVI2 = kvjax.CachePolicy(kv_dtype="int2", key_quant="channel",
+                          key_group=GROUP)
+POLICIES = {"int8": KIVI, "int4": KIVI4, "int2": KIVI2}
 
 
 def _tokens(config, n, batch=B, seed=1):
@@ -81,26 +84,32 @@ def _slots_first(x):
 
 
 def _codes(x):
-  """Integer codes of an int8 or int4 (two a byte) payload."""
-  return np.asarray(quant.unpack_int4(x) if x.dtype == quant.INT4_PAIRS
-                    else x, np.int32)
+  """Integer codes of an int8, int4 (two a byte) or int2 payload."""
+  if x.dtype == quant.INT4_PAIRS:
+    x = quant.unpack_int4(x)
+  elif x.dtype == quant.INT2_OCTETS:
+    x = quant.unpack_int2(x)
+  return np.asarray(x, np.int32)
 
 
-def _assert_same_quantization(stored, want, ref, scale_groups, qmax=127):
+def _assert_same_quantization(stored, want, ref, scale_groups, qmax=127,
+                              zero_groups=None):
   """Codes equal, except where the float value lies within rounding
   distance of a quantization boundary: the two programs compute it with
   different fusions, so it may round either way (`kvjax.tolerance`).
 
-  stored, want: int8 / int4 payloads [n, ...]; ref: the float values
-  [n, ...]; scale_groups: their per-channel scales [n / GROUP, ...]; qmax:
-  the largest code (127 or 7).
+  stored, want: int8 / int4 / int2 payloads [n, ...]; ref: the float
+  values [n, ...]; scale_groups: their per-channel scales [n / GROUP, ...]
+  (int2: and zero_groups, its zeros); qmax: the codes' steps per scale
+  (127, 7, or int2's 3).
   """
   stored, want = _codes(stored), _codes(want)
   differ = stored != want
   if not differ.any():
     return
-  steps = np.asarray(ref) / np.repeat(np.asarray(scale_groups), GROUP,
-                                      axis=0)[:len(stored)]
+  per_row = lambda g: np.repeat(np.asarray(g), GROUP, axis=0)[:len(stored)]
+  offset = 0 if zero_groups is None else per_row(zero_groups)
+  steps = (np.asarray(ref) - offset) / per_row(scale_groups)
   # x / scale carries the relative error of x and of the scale (two
   # roundings), in units of the qmax-level step.
   slack = qmax * 2 * tolerance(depth=1).rtol
@@ -115,7 +124,8 @@ def assert_invariant(test, cache, ref_cache, lengths):
   for (payload, scale, resid), ref in zip(_triples(cache),
                                           _float_rows(ref_cache)):
     ref = ref[0]
-    qmax = quant.INT4_MAX if payload.dtype == quant.INT4_PAIRS else 127
+    qmax = {quant.INT4_PAIRS: quant.INT4_MAX,
+            quant.INT2_OCTETS: quant.INT2_LEVELS}.get(payload.dtype, 127)
     q, sc = quant.quantize_groups(ref, GROUP, -2, payload.dtype)
     got = kivi.read(payload, scale, resid, 0, cache.positions, GROUP,
                     jnp.float32)
@@ -123,22 +133,33 @@ def assert_invariant(test, cache, ref_cache, lengths):
                      _slots_first(sc))
     got, ref_s = _slots_first(got), _slots_first(ref)
     stored_scale = _slots_first(scale[0])
+    zero = None
+    if payload.dtype == quant.INT2_OCTETS:  # the scales, then the zeros
+      C = sc.shape[-1] // 2
+      sc, zero = sc[..., :C], sc[..., C:]
+    zeros = lambda groups: None if zero is None else zero[b, groups]
     for b, n in enumerate(lengths):
       newest = (n - 1) // GROUP
       done = slice(0, newest * GROUP)
       # Complete groups: the int8 values and scales of a one-shot
       # quantization.
       _assert_same_quantization(stored[b, done], q[b, done], ref_s[b, done],
-                                sc[b, :newest], qmax)
-      assert_close(stored_scale[b, :newest], sc[b, :newest], depth=1)
+                                sc[b, :newest], qmax, zeros(slice(0, newest)))
+      want_scale = (sc if zero is None else
+                    jnp.concatenate([sc, zero], axis=-1))
+      assert_close(stored_scale[b, :newest], want_scale[b, :newest], depth=1)
       # The newest group is read exactly from the residual ...
       new = slice(newest * GROUP, (newest + 1) * GROUP)
       assert_close(got[b, new], ref_s[b, new], depth=1)
       # ... and its int8 copy is already the group's quantization so far.
       _assert_same_quantization(stored[b, new], q[b, new], ref_s[b, new],
-                                sc[b, newest:newest + 1], qmax)
-      # Empty slots hold zeros.
-      test.assertEqual(float(jnp.abs(stored[b, n:]).max(initial=0)), 0)
+                                sc[b, newest:newest + 1], qmax,
+                                zeros(slice(newest, newest + 1)))
+      # Empty slots hold zeros (int2: past the newest group; inside it an
+      # empty slot's zero row has the code of 0 under the group's zero
+      # point, and attention reads that group from the residual).
+      empty = n if zero is None else (newest + 1) * GROUP
+      test.assertEqual(float(jnp.abs(stored[b, empty:]).max(initial=0)), 0)
 
 
 class QuantizeGroupsTest(parameterized.TestCase):
@@ -210,7 +231,7 @@ class KiviCacheTest(chex.TestCase, parameterized.TestCase):
   # Fast tier: a GQA prompt of two whole groups and one token, an MLA prompt
   # inside its first group.
   @cases.product(variant=("gqa", "mha", "mqa", "mla"), n_prompt=(3, 4, 9),
-                 bits=("int8", "int4"),
+                 bits=("int8", "int4", "int2"),
                  slow=lambda variant, n_prompt, bits: (variant, n_prompt) not in
                  (("gqa", 9), ("mla", 3)))
   def test_decode_keeps_the_invariant(self, variant, n_prompt, bits):
@@ -223,9 +244,10 @@ class KiviCacheTest(chex.TestCase, parameterized.TestCase):
                                             n_prompt)
     assert_invariant(self, cache, ref, [n] * B)
     chex.assert_tree_all_finite(got_logits)
-    # Keys within per-channel rounding (values per token) at the code
-    # width: logits stay close to float32.
-    assert_close(got_logits, ref_logits, config, cache=bits)
+    if bits != "int2":  # 2 bits: the storage bound exceeds the logits
+      # Keys within per-channel rounding (values per token) at the code
+      # width: logits stay close to float32.
+      assert_close(got_logits, ref_logits, config, cache=bits)
 
   def test_int4_keys_beat_int4_per_token_on_outlier_channels(self):
     # KIVI's premise: with a few large fixed channels, a per-token scale
@@ -242,7 +264,7 @@ class KiviCacheTest(chex.TestCase, parameterized.TestCase):
     self.assertLess(err(per_channel), 0.5 * err(per_token))
 
   @cases.product(chunk=(1, 3, 5), variant=("gqa", "mla"),
-                 bits=("int8", "int4"),
+                 bits=("int8", "int4", "int2"),
                  slow=lambda chunk, variant, bits: (chunk, variant) != (
                      3, "gqa"))
   def test_chunked_prefill_keeps_the_invariant(self, chunk, variant, bits):

@@ -4,8 +4,8 @@ Invariants:
   * prefill, decode and extend through a block table (pages in a random
     order) give the logits and tokens of the contiguous cache, and the
     pages hold what the contiguous cache holds, for MHA, MQA, GQA and MLA,
-    every kv dtype (float32, bfloat16, float16, int8, KIVI int8 / int4) and a
-    ragged batch;
+    every kv dtype (float32, bfloat16, float16, int8, KIVI int8 / int4 /
+    int2) and a ragged batch;
   * `decode_loop` (k steps reading and writing the pool in place) equals
     k contiguous steps, for every variant and dtype; rows past their
     valid steps keep their state;
@@ -54,6 +54,9 @@ POLICIES = tuple(cache_lib.CachePolicy(kv_dtype=d) for d in
                                            key_quant="channel",
                                            key_group=8),
                      cache_lib.CachePolicy(kv_dtype="int4",
+                                           key_quant="channel",
+                                           key_group=8),
+                     cache_lib.CachePolicy(kv_dtype="int2",
                                            key_quant="channel",
                                            key_group=8))
 CASES = [(f"_{v}_{policy_name(p)}", v, p) for v in VARIANTS

@@ -146,14 +146,14 @@ class QuantizedCacheTest(chex.TestCase):
 
 class BadInputTest(parameterized.TestCase):
 
-  @cases.product(kv_dtype=("int2", "float64", "fp8"))
+  @cases.product(kv_dtype=("int3", "float64", "fp8"))
   def test_unsupported_kv_dtype_names_the_field(self, kv_dtype):
     with self.assertRaisesRegex(ValueError, "kv_dtype"):
       kvjax.CachePolicy(kv_dtype=kv_dtype)
 
   def test_unsupported_dtype_in_bytes_formula(self):
     with self.assertRaisesRegex(ValueError, "kv dtype"):
-      kvjax.kv_bytes_per_token(tiny("gqa"), "int2")
+      kvjax.kv_bytes_per_token(tiny("gqa"), "int3")
 
   def test_unsupported_key_quant_names_the_field(self):
     with self.assertRaisesRegex(ValueError, "key_quant"):

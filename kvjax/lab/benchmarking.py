@@ -350,15 +350,15 @@ def decode_bytes_per_step(params, config: ModelConfig, batch: int,
 
 # ---- cache kinds compared by the benchmarks ---------------------------------
 KIVI_GROUP = 32  # KIVI's group size for per-channel keys
-CACHE_KINDS = ("float32", "bfloat16", "float16", "int8", "int4", "int8-kivi",
-               "int4-kivi")
+CACHE_KINDS = ("float32", "bfloat16", "float16", "int8", "int4", "int2",
+               "int8-kivi", "int4-kivi", "int2-kivi")
 
 
 def cache_policy(kind: str) -> cache_lib.CachePolicy:
   """The CachePolicy of a benchmark cache kind: a kv dtype, or 'int8-kivi' /
-  'int4-kivi' (values per token, keys per channel in groups of KIVI_GROUP,
-  at 8 or 4 bits: KIVI's settings)."""
-  if kind in ("int8-kivi", "int4-kivi"):
+  'int4-kivi' / 'int2-kivi' (values per token, keys per channel in groups
+  of KIVI_GROUP, at 8, 4 or 2 bits: KIVI's settings)."""
+  if kind in ("int8-kivi", "int4-kivi", "int2-kivi"):
     return cache_lib.CachePolicy(kv_dtype=kind.split("-")[0],
                                  key_quant="channel", key_group=KIVI_GROUP)
   if kind not in cache_lib.KV_DTYPES:
@@ -622,8 +622,9 @@ def filled_cache(config: ModelConfig, batch: int, capacity: int, length: int,
                  policy: cache_lib.CachePolicy | None = None, seed: int = 0):
   """A cache that holds `length` tokens (positions 0..length-1) per sequence.
 
-  The payload is random (int8 / int4: random codes with positive scales;
-  int4's uint8 bytes hold two codes each, all 256 values valid): a decode
+  The payload is random (int8 / int4 / int2: random codes with positive
+  scales; int4's uint8 bytes hold two codes each, int2's int16s eight, all
+  values valid): a decode
   step does the same work whatever the values, so timing at position
   `length` needs no prefill of `length` tokens.
   """
@@ -647,6 +648,9 @@ def filled_cache(config: ModelConfig, batch: int, capacity: int, length: int,
     elif x.dtype == quant.INT4_PAIRS:
       out.append(jax.random.randint(k, x.shape, 0, 256, jnp.int32).astype(
           jnp.uint8))
+    elif x.dtype == quant.INT2_OCTETS:  # every int16 is eight valid codes
+      out.append(jax.random.randint(k, x.shape, -32768, 32768,
+                                    jnp.int32).astype(jnp.int16))
     elif x.dtype == quant.BF16_BITS:  # bfloat16 caches store the bits
       out.append(jax.lax.bitcast_convert_type(
           jax.random.normal(k, x.shape, jnp.bfloat16), jnp.uint16))

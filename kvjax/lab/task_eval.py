@@ -60,9 +60,9 @@ _SCORED = tuple(n for n, cls in policies.REGISTRY.items()
                 if issubclass(cls, policies.Scored))
 _POLICY = re.compile(r"^(full|window|sinks(\d+)|" + "|".join(_SCORED) +
                      r")(?::(original|cache))?(@stream)?$")
-# KIVI: keys per channel in groups of tokens, values per token, at 8 or 4
-# bits (its 4-bit setting: 'kivi4').
-KIVI_FORMATS = {"kivi": "int8", "kivi4": "int4"}
+# KIVI: keys per channel in groups of tokens, values per token, at 8, 4 or
+# 2 bits (its 4- and 2-bit settings: 'kivi4', 'kivi2').
+KIVI_FORMATS = {"kivi": "int8", "kivi4": "int4", "kivi2": "int2"}
 KV_FORMATS = cache_lib.KV_DTYPES + tuple(KIVI_FORMATS)
 
 
@@ -81,9 +81,10 @@ class PolicySpec:
     (at their rank in the cache, StreamingLLM's choice). Defaults: full,
     window and per-layer/head policies 'original', sinks and global scored
     policies 'cache' (as `kvjax.lab.streaming`).
-  kv_dtype: a `kvjax.cache.KV_DTYPES` storage dtype, or 'kivi' / 'kivi4'
-    (int8 / int4 keys per channel in groups of 32 tokens, values per token
-    at the same width: KIVI; eviction 'none' only, so policy 'full').
+  kv_dtype: a `kvjax.cache.KV_DTYPES` storage dtype, or 'kivi' / 'kivi4' /
+    'kivi2' (int8 / int4 / int2 keys per channel in groups of 32 tokens,
+    values per token at the same width: KIVI; eviction 'none' only, so
+    policy 'full').
   stream: feed the prompt token by token through decode steps even where
     the policy could compress it at prefill ('@stream' in the name): the
     decode-time eviction to compare with prefill-time compression.
@@ -173,7 +174,7 @@ def parse_policy(name: str, kv_dtype: str = "float32") -> PolicySpec:
 
   Raises:
     ValueError: an unknown name (the message lists the forms), an unknown
-      kv_dtype, or 'kivi' / 'kivi4' with an evicting policy.
+      kv_dtype, or a KIVI format with an evicting policy.
   """
   m = _POLICY.match(name)
   if not m:
