@@ -10,7 +10,8 @@ Invariants:
     MLA [L, B, S, C / 8], [L, B, S, R / 8]) with (scale, zero) pairs, and
     `kv_bytes_per_token` is exact: the real nbytes, the formula
     L × (2 × K × H / 4 + 2 × K × 8) for GQA and L × ((C + R) / 4 + 16) for
-    MLA, and the eval_shape'd cache of published models;
+    MLA, and the eval_shaped cache of published models (that check, and
+    the next, shared with tests/test_int4.py);
   * what a decode writes is the quantization of the float rows: layer 0's
     cache (its rows depend on the tokens only) read back is within half a
     step of the float32 cache's rows, after prefill and after decode steps;
@@ -34,7 +35,6 @@ from kvjax import decode
 from kvjax import layered
 from kvjax import paged as pg
 from kvjax import quant
-from kvjax.lab import published
 from kvjax.tolerance import assert_close, max_error, tolerance
 
 import cases  # pylint: disable=g-bad-import-order
@@ -131,20 +131,6 @@ class CacheBytesTest(parameterized.TestCase):
     # so at these narrow heads (H 16) the two are level.
     self.assertLessEqual(per_token, kvjax.kv_bytes_per_token(config, "int4"))
 
-  @parameterized.named_parameters(("_gqa", "Llama-3-8B"),
-                                  ("_mla", "DeepSeek-V2"))
-  def test_published_models_match_the_eval_shaped_cache(self, name):
-    c = published.get(name)
-    per_token = kvjax.kv_bytes_per_token(c, "int2")
-    self.assertEqual(per_token, published.cache_nbytes(c, 1, 1, "int2"))
-    if c.attention == "mla":  # 60 layers, C 512, R 64: 144 + 16 bytes
-      self.assertEqual(per_token, c.num_layers * (
-          (c.kv_lora_rank + c.qk_rope_head_dim) // 4 + 16))
-    else:  # 32 layers, K 8, H 128: 512 + 128 bytes
-      self.assertEqual(per_token, c.num_layers * c.num_kv_heads * (
-          c.head_dim // 2 + 16))
-    self.assertLess(per_token, kvjax.kv_bytes_per_token(c, "int4"))
-
 
 class DecodeTest(parameterized.TestCase):
 
@@ -178,26 +164,6 @@ class DecodeTest(parameterized.TestCase):
     err2, _ = max_error(got, ref)
     err4, _ = max_error(int4, ref)
     self.assertGreater(err2, err4)
-
-  @cases.product(variant=KINDS, slow=lambda variant: variant != "gqa")
-  def test_generate_equals_prefill_and_decode_steps(self, variant):
-    config, params = tiny(variant), tiny_params(variant)
-    prompt = jax.random.randint(jax.random.key(3), (2, 8), 0,
-                                config.vocab_size)
-    toks, logits, _ = kvjax.generate(params, config, prompt, 4, policy=INT2,
-                                     capacity=16, bucket=False,
-                                     return_logits=True)
-    cache = kvjax.init_cache(config, 2, 16, policy=INT2)
-    step_logits, cache = kvjax.prefill(params, config, prompt, cache)
-    want, want_logits = [], []
-    for _ in range(4):
-      token = jnp.argmax(step_logits, -1).astype(jnp.int32)
-      want.append(token)
-      want_logits.append(step_logits)
-      step_logits, cache = kvjax.decode_step(params, config, token, cache)
-    np.testing.assert_array_equal(toks, jnp.stack(want, axis=1))
-    # The same int2 values are read: compute rounding only.
-    assert_close(logits, jnp.stack(want_logits, axis=1), config)
 
   def test_layered_declines_int2(self):
     config = tiny("gqa")

@@ -122,20 +122,23 @@ class CacheBytesTest(parameterized.TestCase):
     self.assertEqual(per_token, formula)
     self.assertLess(per_token, kvjax.kv_bytes_per_token(config, "int8"))
 
-  @parameterized.named_parameters(("_gqa", "Llama-3-8B"),
-                                  ("_mla", "DeepSeek-V2"))
-  def test_published_models_match_the_eval_shaped_cache(self, name):
+  # int2 (tests/test_int2.py) shares the packed-codes accounting.
+  @cases.product(name=("Llama-3-8B", "DeepSeek-V2"), kv_dtype=("int4", "int2"))
+  def test_published_models_match_the_eval_shaped_cache(self, name, kv_dtype):
     c = published.get(name)
-    per_token = kvjax.kv_bytes_per_token(c, "int4")
-    self.assertEqual(per_token, published.cache_nbytes(c, 1, 1, "int4"))
-    if c.attention == "mla":  # 60 layers, C 512, R 64: 288 + 8 bytes
+    per_token = kvjax.kv_bytes_per_token(c, kv_dtype)
+    self.assertEqual(per_token, published.cache_nbytes(c, 1, 1, kv_dtype))
+    # Codes per byte, and the bytes of a token's scale (int2: scale and
+    # zero).
+    codes, scale = (2, 4) if kv_dtype == "int4" else (4, 8)
+    if c.attention == "mla":  # 60 layers, C 512, R 64
       self.assertEqual(per_token, c.num_layers * (
-          (c.kv_lora_rank + c.qk_rope_head_dim) // 2 + 8))
-    else:  # 32 layers, K 8, H 128: 1024 + 64 bytes
-      self.assertEqual(per_token, c.num_layers * c.num_kv_heads * (
-          c.head_dim + 8))
+          (c.kv_lora_rank + c.qk_rope_head_dim) // codes + 2 * scale))
+    else:  # 32 layers, K 8, H 128
+      self.assertEqual(per_token, c.num_layers * c.num_kv_heads * 2 * (
+          c.head_dim // codes + scale))
     self.assertEqual(published.table_row(name, c, tokens=(8,), batches=(1,),
-                                         kv_dtype="int4")["bytes_per_token"],
+                                         kv_dtype=kv_dtype)["bytes_per_token"],
                      per_token)
 
 
@@ -159,16 +162,19 @@ class DecodeTest(parameterized.TestCase):
     self.assertGreater(err4, err8)
     self.assertLess(err4, 3 * ratio * err8)
 
-  @cases.product(variant=KINDS, slow=lambda variant: variant != "gqa")
-  def test_generate_equals_prefill_and_decode_steps(self, variant):
+  # int2 (tests/test_int2.py) runs the same check.
+  @cases.product(variant=KINDS, kv_dtype=("int4", "int2"),
+                 slow=lambda variant, kv_dtype: variant != "gqa")
+  def test_generate_equals_prefill_and_decode_steps(self, variant, kv_dtype):
+    policy = kvjax.CachePolicy(kv_dtype=kv_dtype)
     config, params = tiny(variant), tiny_params(variant)
     prompt = jax.random.randint(jax.random.key(3), (2, 8), 0,
                                 config.vocab_size)
-    toks, logits, _ = kvjax.generate(params, config, prompt, 4, policy=INT4,
+    toks, logits, _ = kvjax.generate(params, config, prompt, 4, policy=policy,
                                      capacity=16, bucket=False,
                                      return_logits=True)
     chex.assert_tree_all_finite(logits)
-    cache = kvjax.init_cache(config, 2, 16, policy=INT4)
+    cache = kvjax.init_cache(config, 2, 16, policy=policy)
     step_logits, cache = kvjax.prefill(params, config, prompt, cache)
     want, want_logits = [], []
     for _ in range(4):
@@ -177,7 +183,7 @@ class DecodeTest(parameterized.TestCase):
       want_logits.append(step_logits)
       step_logits, cache = kvjax.decode_step(params, config, token, cache)
     np.testing.assert_array_equal(toks, jnp.stack(want, axis=1))
-    # The same int4 values are read: compute rounding only.
+    # The same stored values are read: compute rounding only.
     assert_close(logits, jnp.stack(want_logits, axis=1), config)
 
 
