@@ -7,10 +7,12 @@ r"""Attention-variant ablation: MHA, MQA, GQA, MLA at matched parameters.
 Every variant is trained with the train section of --config (identical data,
 steps and seeds; models from configs/train.py, matched parameter count),
 then the table (validation bits/byte per seed, KV bytes per token, decode
-tokens/s) is printed to stdout as markdown and written to --workdir
-(ablation.md, with ablation.json and ablation.png beside it). Each run is
-logged as it starts and appended to runs.jsonl as it finishes; re-running
-resumes: finished runs are not retrained.
+tokens/s at batch 1 and where the cache dominates: --long_batch sequences
+of --long_context cached tokens, against the read probe) is printed to
+stdout as markdown and written to --workdir (ablation.md, with
+ablation.json and ablation.png beside it). Each run is logged as it starts
+and appended to runs.jsonl as it finishes; re-running resumes: finished
+runs are not retrained (only the timings run again).
 """
 
 import os
@@ -37,6 +39,12 @@ _SEEDS = cli.DEFINE_int_list("seeds", [0, 1], "Seeds (one run each).",
 _VARIANTS = cli.DEFINE_choice_list("variants", list(train_presets.VARIANTS),
                                    train_presets.VARIANTS,
                                    "Variants to train.")
+_LONG_BATCH = flags.DEFINE_integer(
+    "long_batch", 8, "Batch of the cache-dominated decode timing.",
+    lower_bound=1)
+_LONG_CONTEXT = flags.DEFINE_integer(
+    "long_context", 4096, "Cached tokens per sequence of the cache-dominated "
+    "decode timing (0: leave it out).", lower_bound=0)
 
 
 def main(argv):
@@ -50,7 +58,8 @@ def main(argv):
   data.locate_corpus(train_config.data_dir)  # one line when it is missing
   t0 = time.perf_counter()
   rows = ablation.run_ablation(model_configs, train_config, _SEEDS.value,
-                               _WORKDIR.value)
+                               _WORKDIR.value, long_batch=_LONG_BATCH.value,
+                               long_context=_LONG_CONTEXT.value)
   minutes = (time.perf_counter() - t0) / 60
   print(ablation.markdown(rows))
   logging.info("ablation took %.1f min (this invocation); table in %s",

@@ -51,6 +51,26 @@ class AblationTest(absltest.TestCase):
     ablation.plot(rows, workdir / "a.png")
     self.assertGreater((workdir / "a.png").stat().st_size, 1000)
 
+  def test_long_context_decode_joins_the_rows_and_the_table(self):
+    runs = [ablation.Run(v, 0, f"/x/{v}", 2.0, 1.0, 1.0)
+            for v in ("gqa", "mla")]
+    long = dict(batch=8, context=4096, read_probe=2e10, variants=dict(
+        gqa=dict(step_s=0.010, read_fraction=0.5),
+        mla=dict(step_s=0.020, read_fraction=0.25)))
+    rows = ablation.summarize(runs, _configs(), {"gqa": 10.0, "mla": 5.0},
+                              long)
+    by = {r["variant"]: r for r in rows}
+    self.assertAlmostEqual(by["gqa"]["long_step_ms"], 10.0)
+    self.assertAlmostEqual(by["mla"]["long_tokens_per_s"], 400.0)
+    table = ablation.markdown(rows)
+    self.assertIn("decode ms/step (batch 8, 4,096 cached)", table)
+    self.assertIn("| 10.0 | 800 | 50 % |", table)
+    self.assertIn("| 20.0 | 400 | 25 % |", table)
+    # Without the long timing the table keeps its seven columns.
+    plain = ablation.markdown(ablation.summarize(
+        runs, _configs(), {"gqa": 10.0, "mla": 5.0}))
+    self.assertNotIn("cached", plain)
+
   def test_outputs_go_to_the_workdir_only(self):
     workdir = pathlib.Path(self.create_tempdir().full_path) / "ablate"
     runs = [ablation.Run(v, s, str(workdir / f"{v}-s{s}"), 2.0 + s, 1.0, 1.0)

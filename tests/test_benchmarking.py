@@ -267,6 +267,28 @@ class DecodeStepsTest(parameterized.TestCase):
                                       repeats=1)
 
 
+  def test_models_are_timed_side_by_side_with_their_bytes(self):
+    models = {}
+    for v in ("gqa", "mla"):
+      config = tiny(v)
+      models[v] = (kvjax.init_params(config, jax.random.key(0)), config)
+    out = bm.decode_models_alternating(models, 2, 20, steps=2, repeats=2,
+                                       probe_bytes=1 << 20)
+    probe = out.pop("read_probe")
+    self.assertEqual(list(out), ["gqa", "mla"])
+    self.assertEqual(out["gqa"]["rounds"], (1.0, 1.0))
+    for v, t in out.items():
+      params, config = models[v]
+      want = bm.decode_bytes_per_step(params, config, 2, 21)["total"]
+      self.assertEqual(t["bytes"], want)
+      self.assertAlmostEqual(t["read_fraction"],
+                             want / t["step_s"] / probe["bytes_per_s"])
+    # The two variants read different caches: MLA's latent, GQA's K/V.
+    self.assertNotEqual(out["gqa"]["bytes"], out["mla"]["bytes"])
+    with self.assertRaisesRegex(ValueError, "models is empty"):
+      bm.decode_models_alternating({}, 1, 4)
+
+
 # The first variant of each attention kind: one KVCache, one LatentCache.
 KINDS = tuple({model_presets.model_dict(v, "tiny")["attention"]: v
                for v in reversed(VARIANTS)}.values())

@@ -2,9 +2,12 @@
 
 Trains MHA, MQA, GQA and MLA at matched parameter count on identical data,
 steps and seeds (`configs/train.py`), then reports per variant: validation
-loss and bits per byte (per seed, mean, spread), KV bytes per token, and
-batch-1 decode tokens/s of the trained model (all variants timed
-interleaved in one run, so the ratios share the machine's load).
+loss and bits per byte (per seed, mean, spread), KV bytes per token,
+batch-1 decode tokens/s of the trained model at a short context, and the
+decode step where the cache dominates (a batch at a long context: step
+time, tokens/s and the fraction of the read probe its bytes reach). Each
+speed is timed with all variants interleaved in one run, so the ratios
+share the machine's load.
 """
 
 from __future__ import annotations
@@ -108,13 +111,27 @@ def decode_speed(model_configs: Mapping[str, ModelConfig],
 
 
 def summarize(runs: Sequence[Run], model_configs: Mapping[str, ModelConfig],
-              tokens_per_s: Mapping[str, float]) -> list[dict[str, Any]]:
-  """One row per variant: bpb per seed, mean and spread, bytes, speed."""
+              tokens_per_s: Mapping[str, float],
+              long_decode: Mapping[str, Any] | None = None
+              ) -> list[dict[str, Any]]:
+  """One row per variant: bpb per seed, mean and spread, bytes, speed.
+
+  long_decode: `long_decode_speed`'s result, or None: its batch, context,
+  and per variant step time, tokens/s and read fraction join the rows.
+  """
   rows = []
   for variant, mc in model_configs.items():
     mine = [r for r in runs if r.variant == variant]
     bpb = [r.bits_per_byte for r in mine]
-    rows.append(dict(
+    extra = {}
+    if long_decode:
+      d = long_decode["variants"][variant]
+      extra = dict(long_batch=long_decode["batch"],
+                   long_context=long_decode["context"],
+                   long_step_ms=1e3 * d["step_s"],
+                   long_tokens_per_s=long_decode["batch"] / d["step_s"],
+                   long_read_fraction=d.get("read_fraction"))
+    rows.append(dict(**extra,
         variant=variant, params=param_count(mc),
         kv_bytes_per_token=cache_lib.kv_bytes_per_token(mc),
         seeds=[r.seed for r in mine],
@@ -127,14 +144,25 @@ def summarize(runs: Sequence[Run], model_configs: Mapping[str, ModelConfig],
 
 
 def markdown(rows: Sequence[Mapping[str, Any]]) -> str:
-  out = ["| variant | params | KV bytes/token | val bits/byte per seed | "
-         "mean | spread (max−min) | decode tok/s (batch 1) |",
-         "|---|---|---|---|---|---|---|"]
+  long = bool(rows) and "long_step_ms" in rows[0]
+  head = ("| variant | params | KV bytes/token | val bits/byte per seed | "
+          "mean | spread (max−min) | decode tok/s (batch 1) |")
+  rule = "|---|---|---|---|---|---|---|"
+  if long:
+    head += (f" decode ms/step (batch {rows[0]['long_batch']}, "
+             f"{rows[0]['long_context']:,} cached) | tok/s | % of read probe |")
+    rule += "---|---|---|"
+  out = [head, rule]
   for r in rows:
     seeds = ", ".join(f"{b:.4f}" for b in r["bpb_per_seed"])
-    out.append(f"| {r['variant']} | {r['params'] / 1e6:.3f} M | "
-               f"{r['kv_bytes_per_token']:,} | {seeds} | {r['bpb_mean']:.4f} | "
-               f"{r['bpb_spread']:.4f} | {r['decode_tokens_per_s']:.0f} |")
+    line = (f"| {r['variant']} | {r['params'] / 1e6:.3f} M | "
+            f"{r['kv_bytes_per_token']:,} | {seeds} | {r['bpb_mean']:.4f} | "
+            f"{r['bpb_spread']:.4f} | {r['decode_tokens_per_s']:.0f} |")
+    if long:
+      frac = r["long_read_fraction"]
+      line += (f" {r['long_step_ms']:.1f} | {r['long_tokens_per_s']:.0f} | "
+               f"{'—' if frac is None else f'{100 * frac:.0f} %'} |")
+    out.append(line)
   return "\n".join(out)
 
 
@@ -212,10 +240,36 @@ def write_outputs(rows: Sequence[Mapping[str, Any]], runs: Sequence[Run],
   return table
 
 
+def long_decode_speed(model_configs: Mapping[str, ModelConfig],
+                      params: Mapping[str, Any], batch: int, context: int,
+                      *, repeats: int = 5, probe_bytes: int = 1 << 29
+                      ) -> dict[str, Any]:
+  """Float32 decode steps of each model from a cache holding `context`
+  tokens per sequence, `batch` sequences: where the cache, not the weights,
+  is what a step reads. Timed interleaved with the read probe
+  (`benchmarking.decode_models_alternating`).
+
+  Returns:
+    batch, context, read_probe (bytes/s), and per variant step_s, bytes,
+    read_fraction, vs_first (the first variant's step time / this one's).
+  """
+  t = benchmarking.decode_models_alternating(
+      {v: (params[v], mc) for v, mc in model_configs.items()}, batch,
+      context, repeats=repeats, probe_bytes=probe_bytes)
+  keep = ("step_s", "bytes", "read_fraction", "vs_first", "layout")
+  return dict(batch=batch, context=context,
+              read_probe=t["read_probe"]["bytes_per_s"] if probe_bytes
+              else None,
+              variants={v: {k: t[v][k] for k in keep if k in t[v]}
+                        for v in model_configs})
+
+
 def run_ablation(model_configs: Mapping[str, ModelConfig],
                  train_config: train.TrainConfig, seeds: Sequence[int],
-                 workdir: str | os.PathLike) -> list[dict[str, Any]]:
-  """Trains, times and summarizes; writes ablation.json / .md / .png."""
+                 workdir: str | os.PathLike, *, long_batch: int = 8,
+                 long_context: int = 4096) -> list[dict[str, Any]]:
+  """Trains, times and summarizes; writes ablation.json / .md / .png.
+  long_context 0 leaves out the cache-dominated decode timing."""
   t0 = time.perf_counter()
   runs = train_all(model_configs, train_config, seeds, workdir)
   params = {}
@@ -224,6 +278,8 @@ def run_ablation(model_configs: Mapping[str, ModelConfig],
     wd = next(r.workdir for r in runs if r.variant == variant)
     _, params[variant] = orbax_checkpoint.restore_params(wd)
   speed = decode_speed(model_configs, params)
-  rows = summarize(runs, model_configs, speed)
+  long = (long_decode_speed(model_configs, params, long_batch, long_context)
+          if long_context else None)
+  rows = summarize(runs, model_configs, speed, long)
   write_outputs(rows, runs, workdir, time.perf_counter() - t0)
   return rows

@@ -824,6 +824,42 @@ def decode_steps_alternating(params, config: ModelConfig, batch: int,
                        "decode_steps_alternating")
 
 
+def decode_models_alternating(models, batch: int, position: int, *,
+                              kv_dtype: str = "float32", steps: int = 16,
+                              warmup: int = 1, repeats: int = 5,
+                              probe_bytes: int = 0
+                              ) -> dict[str, dict[str, Any]]:
+  """Decode steps of several models at one (batch, position, kv dtype),
+  timed in alternating rounds: which attention variant decodes faster where
+  the cache dominates (`kvjax.lab.ablation`).
+
+  Args:
+    models: name -> (params, config); each runs in the layout generate
+      reads (`timing_plan`).
+  Returns:
+    per name: as `decode_steps_alternating` per kind, plus bytes (what the
+    step must read: `decode_bytes_per_step`) and, with `probe_bytes`,
+    read_fraction (bytes / step_s / the probe's bytes per second in the
+    same rounds); with `probe_bytes` also "read_probe".
+  """
+  if not models:
+    raise ValueError("models is empty")
+  runners = {n: _decode_runner(p, c, batch, position, steps, kv_dtype, None,
+                               warmup + repeats)
+             for n, (p, c) in models.items()}
+  probe = read_probe(probe_bytes) if probe_bytes else None
+  out = _time_runners(runners, steps, warmup, repeats, probe,
+                      "decode_models_alternating")
+  for n, (p, c) in models.items():
+    nbytes = decode_bytes_per_step(p, c, batch, position + 1,
+                                   kv_dtype)["total"]
+    out[n]["bytes"] = nbytes
+    if probe:
+      out[n]["read_fraction"] = (nbytes / out[n]["step_s"] /
+                                 out["read_probe"]["bytes_per_s"])
+  return out
+
+
 def _time_runners(runners, steps: int, warmup: int, repeats: int, probe,
                   who: str) -> dict[str, dict[str, Any]]:
   """Times `_decode_runner`s (and the read probe `(run, nbytes)`, if given)
