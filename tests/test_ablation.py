@@ -51,6 +51,28 @@ class AblationTest(absltest.TestCase):
     ablation.plot(rows, workdir / "a.png")
     self.assertGreater((workdir / "a.png").stat().st_size, 1000)
 
+  def test_validation_curves_are_read_and_drawn(self):
+    workdir = pathlib.Path(self.create_tempdir().full_path)
+    runs = []
+    for v in ("gqa", "mla"):
+      for seed in (0, 1):
+        wd = workdir / f"{v}-s{seed}"
+        wd.mkdir()
+        recs = [dict(step=10, split="train", bits_per_byte=9.0)] + [
+            dict(step=t, split="validation",
+                 bits_per_byte=4.0 - t / 100 + seed / 10) for t in (100, 200)]
+        (wd / "metrics.jsonl").write_text(
+            "\n".join(json.dumps(r) for r in recs) + "\n")
+        runs.append(ablation.Run(v, seed, str(wd), 2.0 + seed, 1.0, 1.0))
+    rows = ablation.summarize(runs, _configs(), {"gqa": 10.0, "mla": 5.0})
+    # Validation records only, per run in seed order.
+    self.assertEqual(rows[0]["curves"], [[[100, 3.0], [200, 2.0]],
+                                         [[100, 3.1], [200, 2.1]]])
+    self.assertEqual(ablation.validation_curve(workdir / "none"), [])
+    labels = ablation.plot(rows, workdir / "c.png")
+    self.assertIn("training step", labels["xlabels"])
+    self.assertIn("gqa (2 seeds)", labels["legends"][""])
+
   def test_long_context_decode_joins_the_rows_and_the_table(self):
     runs = [ablation.Run(v, 0, f"/x/{v}", 2.0, 1.0, 1.0)
             for v in ("gqa", "mla")]

@@ -139,8 +139,21 @@ def summarize(runs: Sequence[Run], model_configs: Mapping[str, ModelConfig],
         bpb_per_seed=bpb, bpb_mean=statistics.mean(bpb),
         bpb_spread=(max(bpb) - min(bpb)) if len(bpb) > 1 else 0.0,
         decode_tokens_per_s=tokens_per_s[variant],
-        train_wall_s=sum(r.wall_s for r in runs if r.variant == variant)))
+        train_wall_s=sum(r.wall_s for r in runs if r.variant == variant),
+        curves=[validation_curve(r.workdir) for r in mine]))
   return rows
+
+
+def validation_curve(workdir: str | os.PathLike) -> list[list[float]]:
+  """[[step, validation bits/byte], ...] of one run (its metrics.jsonl;
+  empty when the run left none)."""
+  path = pathlib.Path(workdir) / "metrics.jsonl"
+  if not path.exists():
+    return []
+  recs = [json.loads(line) for line in path.read_text().splitlines()
+          if line.strip()]
+  return [[r["step"], r["bits_per_byte"]] for r in recs
+          if r.get("split") == "validation"]
 
 
 def markdown(rows: Sequence[Mapping[str, Any]]) -> str:
@@ -180,13 +193,20 @@ def plot(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike
          ) -> dict[str, Any]:
   """Validation bits/byte against KV bytes per token: one dot per seed, the
   mean with a bar over the seeds' range (min to max); the title says how
-  many seeds and training steps the points are. Returns the figure's
-  words (`benchmarking.figure_labels`)."""
+  many seeds and training steps the points are. When the rows carry
+  validation curves, a second panel draws them against the training step
+  (per variant the mean over seeds, shaded over their range): where the
+  variants separate, and where the seeds' spread still covers the gaps.
+  Returns the figure's words (`benchmarking.figure_labels`)."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   from matplotlib import transforms  # pylint: disable=g-import-not-at-top
-  fig, ax = plt.subplots(figsize=(6.4, 4.6))
+  curves = any(c for r in rows for c in r.get("curves", ()))
+  if curves:
+    fig, (ax, ax_c) = plt.subplots(1, 2, figsize=(12.0, 4.6))
+  else:
+    fig, ax = plt.subplots(figsize=(6.4, 4.6))
   for k, r in enumerate(rows):
     x = r["kv_bytes_per_token"]
     bpb = r["bpb_per_seed"]
@@ -216,11 +236,38 @@ def plot(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike
                f"{seeds}, {steps}; black: mean, bar: min-max over seeds",
                fontsize=10)
   ax.grid(alpha=0.3)
+  if curves:
+    _plot_curves(ax_c, rows)
   fig.tight_layout()
   labels = benchmarking.figure_labels(fig)
   fig.savefig(path, dpi=120, bbox_inches="tight")
   plt.close(fig)
   return labels
+
+
+def _plot_curves(ax, rows: Sequence[Mapping[str, Any]]) -> None:
+  """Validation bits/byte against step: per variant the mean over the
+  seeds that logged each step, shaded from their min to their max."""
+  for k, r in enumerate(rows):
+    by_step: dict[int, list[float]] = {}
+    for curve in r.get("curves", ()):
+      for step, bpb in curve:
+        by_step.setdefault(int(step), []).append(bpb)
+    if not by_step:
+      continue
+    steps = sorted(by_step)
+    vals = [by_step[t] for t in steps]
+    ax.plot(steps, [statistics.mean(v) for v in vals], color=f"C{k}",
+            label=f"{r['variant']} ({len(r['curves'])} seeds)")
+    ax.fill_between(steps, [min(v) for v in vals], [max(v) for v in vals],
+                    color=f"C{k}", alpha=0.2)
+  ax.set_yscale("log")
+  ax.set_xlabel("training step")
+  ax.set_ylabel("validation bits per byte")
+  ax.set_title("Validation curves: mean over seeds, shaded min-max",
+               fontsize=10)
+  ax.legend(fontsize=8)
+  ax.grid(alpha=0.3, which="both")
 
 
 def write_outputs(rows: Sequence[Mapping[str, Any]], runs: Sequence[Run],
