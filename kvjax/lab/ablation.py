@@ -225,7 +225,10 @@ def plot(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike
   ax.margins(x=0.12)
   from matplotlib.ticker import NullFormatter  # pylint: disable=g-import-not-at-top
   xs = sorted({r["kv_bytes_per_token"] for r in rows})
-  ax.set_xticks(xs, [f"{x:,}" for x in xs])
+  # A tick within 30 % of the one before it (GQA's 2,048 beside MLA's
+  # 2,304) puts its label a line lower, so the two do not overprint.
+  ax.set_xticks(xs, [("\n" if i and x < 1.3 * xs[i - 1] else "") + f"{x:,}"
+                     for i, x in enumerate(xs)])
   ax.xaxis.set_minor_formatter(NullFormatter())
   ax.set_xlabel("KV cache bytes per token (float32, all layers)")
   ax.set_ylabel("validation bits per byte (lower is better)")
@@ -261,7 +264,6 @@ def _plot_curves(ax, rows: Sequence[Mapping[str, Any]]) -> None:
             label=f"{r['variant']} ({len(r['curves'])} seeds)")
     ax.fill_between(steps, [min(v) for v in vals], [max(v) for v in vals],
                     color=f"C{k}", alpha=0.2)
-  ax.set_yscale("log")
   ax.set_xlabel("training step")
   ax.set_ylabel("validation bits per byte")
   ax.set_title("Validation curves: mean over seeds, shaded min-max",
