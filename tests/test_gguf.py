@@ -301,6 +301,21 @@ class LlamaCppPeerExperimentTest(absltest.TestCase):
       with open(os.path.join(tmp, "llamacpp_peer.json")) as f:
         self.assertEqual(json.load(f), out)
 
+  def test_long_new_tokens_are_needed_for_the_compared_models_only(self):
+    with tempfile.TemporaryDirectory() as tmp:
+      proc = self._run("--models=shipped,preset",
+                       "--long_new_tokens=preset:64", f"--workdir={tmp}",
+                       block_llama_cpp=True)
+      self.assertNotEqual(proc.returncode, 0)
+      self.assertIn("--long_new_tokens has no entry for ['shipped']",
+                    proc.stderr)
+      # One model compared: its entry is enough (here the run then skips).
+      proc = self._run("--models=preset", "--long_new_tokens=preset:64",
+                       f"--workdir={tmp}", block_llama_cpp=True)
+      self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+      self.assertTrue(json.loads(proc.stdout.strip().splitlines()[-1])[
+          "skipped"])
+
   def test_tiny_run_writes_rows_parity_and_figure(self):
     pytest.importorskip("gguf")
     pytest.importorskip("llama_cpp")
