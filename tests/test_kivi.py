@@ -208,7 +208,7 @@ class QuantizeGroupsTest(parameterized.TestCase):
     np.testing.assert_array_equal(q2, q)
 
   def test_grouped_storage_and_axis_are_checked(self):
-    with self.assertRaisesRegex(ValueError, "int8 or int4"):
+    with self.assertRaisesRegex(ValueError, "int8, int4 or int2"):
       quant.quantize_groups(jnp.zeros((4, 2)), 2, -2, jnp.float32)
     with self.assertRaisesRegex(ValueError, "before the channel axis"):
       quant.quantize_groups(jnp.zeros((2, 4)), 2, -1)
@@ -373,7 +373,7 @@ class KiviBadInputTest(parameterized.TestCase):
 
   @parameterized.named_parameters(
       ("float_cache", dict(kv_dtype="float32", key_quant="channel"),
-       r"needs kv_dtype in \('int8', 'int4'\), got 'float32'"),
+       r"needs kv_dtype in \('int8', 'int4', 'int2'\), got 'float32'"),
       ("eviction", dict(kv_dtype="int8", key_quant="channel",
                         eviction="window"), "needs eviction='none'"),
       ("group", dict(kv_dtype="int8", key_quant="channel", key_group=0),
