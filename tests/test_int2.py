@@ -134,7 +134,7 @@ class CacheBytesTest(parameterized.TestCase):
 
 class DecodeTest(parameterized.TestCase):
 
-  @cases.product(variant=KINDS)
+  @cases.product(variant=KINDS, slow=lambda variant: variant != "gqa")
   def test_the_cache_holds_the_quantized_rows(self, variant):
     config = tiny(variant)
     _, ref = teacher_forced_decode_logits(variant, "float32")
