@@ -69,7 +69,7 @@ def read(payload, scale, resid, layer, positions_BS, group: int, dtype,
 
 
 def rows(payload, scale, resid, positions_BS, group: int, dtype):
-  """Rows [B, ..., S, H | C | R] in `dtype` of one layer's int8 / int4 groups
+  """Rows [B, ..., S, H | C | R] in `dtype` of one layer's quantized groups
   `payload` [B, ..., S, ...] and `scale` [B, ..., S / X, ...], the newest
   group (per `positions_BS`) taken from its residual [B, ..., X, ...]
   (however the caller laid its slots out: a paged cache gathers them)."""
@@ -138,7 +138,8 @@ def _write_many(payload, scale, resid, layer, positions_BS, slots_BT,
   S = payload.shape[-2]
   B, T = slots_BT.shape
   if fresh:  # prefill: the cache is taken as empty, whatever it held
-    # The channel width is the residual's (an int4 payload holds half).
+    # The channel width is the residual's (a packed int4 / int2 payload's
+    # last axis is narrower).
     full = jnp.zeros(payload.shape[1:-1] + resid.shape[-1:], jnp.float32)
     last_B = jnp.full((B,), -1, jnp.int32)
   else:

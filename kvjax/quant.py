@@ -16,8 +16,8 @@ Store quantized, attend in float. Five storage forms:
   int8               round(x / scale), symmetric, scale = max|x| / 127:
                      per token (one scale per vector along the last axis:
                      `quantize`), or per channel over a group of tokens
-                     (KIVI's key quantization: `quantize_groups`, int8 or
-                     int4).
+                     (KIVI's key quantization: `quantize_groups`, at any
+                     of the integer widths).
   int4               round(x / scale) in [-7, 7], symmetric, scale =
                      max|x| / 7 per token (one scale per vector along the
                      last axis, as int8's `quantize`), two codes per byte in

@@ -275,7 +275,8 @@ def evaluate(state: TrainState, batches: np.ndarray) -> dict[str, float]:
 # Metrics files.
 
 
-def _read_metrics(path: pathlib.Path) -> list[dict[str, Any]]:
+def read_metrics(path: pathlib.Path) -> list[dict[str, Any]]:
+  """The records of a run's metrics.jsonl, in order ([] when it is absent)."""
   if not path.exists():
     return []
   with open(path) as f:
@@ -285,7 +286,7 @@ def _read_metrics(path: pathlib.Path) -> list[dict[str, Any]]:
 def _truncate_metrics(path: pathlib.Path, last_step: int) -> None:
   """Drops records past `last_step`: an interrupted run logged steps that the
   resumed run will log again."""
-  records = [r for r in _read_metrics(path) if r["step"] <= last_step]
+  records = [r for r in read_metrics(path) if r["step"] <= last_step]
   with open(path, "w") as f:
     for r in records:
       f.write(json.dumps(r) + "\n")
@@ -302,7 +303,7 @@ def plot_metrics(metrics_path: str | os.PathLike,
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
-  records = _read_metrics(pathlib.Path(metrics_path))
+  records = read_metrics(pathlib.Path(metrics_path))
   sinks = [r for r in records if r["split"] == "validation" and
            r.get("sink_mass_layers")]
   fig, axes = plt.subplots(1, 2 if sinks else 1,

@@ -147,12 +147,8 @@ def summarize(runs: Sequence[Run], model_configs: Mapping[str, ModelConfig],
 def validation_curve(workdir: str | os.PathLike) -> list[list[float]]:
   """[[step, validation bits/byte], ...] of one run (its metrics.jsonl;
   empty when the run left none)."""
-  path = pathlib.Path(workdir) / "metrics.jsonl"
-  if not path.exists():
-    return []
-  recs = [json.loads(line) for line in path.read_text().splitlines()
-          if line.strip()]
-  return [[r["step"], r["bits_per_byte"]] for r in recs
+  return [[r["step"], r["bits_per_byte"]]
+          for r in train.read_metrics(pathlib.Path(workdir) / "metrics.jsonl")
           if r.get("split") == "validation"]
 
 

@@ -624,9 +624,8 @@ def filled_cache(config: ModelConfig, batch: int, capacity: int, length: int,
 
   The payload is random (int8 / int4 / int2: random codes with positive
   scales; int4's uint8 bytes hold two codes each, int2's int16s eight, all
-  values valid): a decode
-  step does the same work whatever the values, so timing at position
-  `length` needs no prefill of `length` tokens.
+  values valid): a decode step does the same work whatever the values, so
+  timing at position `length` needs no prefill of `length` tokens.
   """
   policy = policy or cache_lib.CachePolicy()
   if policy.eviction != "none":
