@@ -1,12 +1,16 @@
 r"""Which decode cache layout reads a cache fastest: stacked, blocked, layered.
 
+  python experiments/cache_layout.py --preset=mla-small --batch=8 \
+      --contexts=512,2048,4096 --kv_dtypes=float32,int8 \
+      --workdir=workdir/cache_layout_mla
+
   python experiments/cache_layout.py --preset=gqa-medium --batch=8 \
       --contexts=512,2048,4096 --kv_dtypes=float32,int8 \
       --workdir=workdir/cache_layout
 
 For each context: decode loops of --steps steps from a cache holding that
 many tokens, for every kv dtype × layout the cache can take
-(`kvjax.decode.plan` refuses the others: blocked is float only), timed in
+(`kvjax.decode.plan` refuses the others: blocked is float GQA only), timed in
 alternating rounds in one process (`bm.decode_layouts_alternating`). The
 ratios decide `kvjax.decode`'s 'auto' choice (LAYERED_MIN_BATCH,
 LAYERED_MIN_SLOTS). Prints a line per combination (stdout), appends it to
@@ -26,7 +30,7 @@ from kvjax.lab import benchmarking as bm
 from configs import model as presets
 
 _PRESET = flags.DEFINE_enum("preset", "gqa-medium", presets.PRESETS,
-                            "configs/model.py preset (GQA family).")
+                            "configs/model.py preset.")
 _BATCH = flags.DEFINE_integer("batch", 8, "Sequences.", lower_bound=1)
 _CONTEXTS = cli.DEFINE_int_list("contexts", [512, 2048, 4096],
                                 "Cached tokens per timed point.",
@@ -48,12 +52,14 @@ def main(argv):
   del argv
   with cli.checking("--preset"):
     config = cfg_lib.model_config(presets.get_config(_PRESET.value).model)
-  if config.attention != "gqa":
-    raise ValueError(f"--preset={_PRESET.value}: cache layouts are for the "
-                     "GQA family (MLA has one latent cache layout)")
+  # blocked views hold float GQA caches only; MLA's latents are stacked or
+  # layered (`kvjax.layered_latent`).
   combos = [(k, lay) for k in _DTYPES.value for lay in _LAYOUTS.value
-            if not (lay == "blocked" and bm.cache_policy(k).quantized)]
-  params = kvjax.init_params(config, jax.random.key(0))
+            if not (lay == "blocked" and (bm.cache_policy(k).quantized or
+                                          config.attention == "mla"))]
+  # Packed params (`kvjax.pack`): the views need per-layer arrays, which
+  # `generate` gives only from PACK_MIN_WIDTH on; every layout reads them.
+  params = kvjax.pack(kvjax.init_params(config, jax.random.key(0)), config)
   partial = cli.JsonLines(os.path.join(_WORKDIR.value, "cache_layout.jsonl"))
   rows = []
   for ctx in _CONTEXTS.value:
@@ -62,8 +68,9 @@ def main(argv):
                                           repeats=_REPEATS.value)
     for name, t in timed.items():
       kind, layout = name.split(":")
-      row = dict(preset=_PRESET.value, batch=_BATCH.value, context=ctx,
-                 kv_dtype=kind, layout=layout, **t)
+      # t's own 'layout' is the plan's (the same name): the row keeps one.
+      row = dict(t, preset=_PRESET.value, batch=_BATCH.value, context=ctx,
+                 kv_dtype=kind, layout=layout)
       rows.append(row)
       partial.write(row)
       print(f"{_PRESET.value} b{_BATCH.value} ctx {ctx:5d} {kind:9s} "

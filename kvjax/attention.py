@@ -277,10 +277,15 @@ class DecodeCache:
     prefix > 0).
   attend(q_BTKGH, keys, v_BKSH, mask_BKTS, scale, impl) -> (out_BTKGH,
     probs_BKGTS or None): masked softmax attention of the step's queries.
+  latent_attend(q_lat_BTNC, q_rope_BTNR, c, r, mask_B1TS, scale) ->
+    (o_lat_BTNC, probs_BNTS): MLA's absorbed decode attention over what
+    `read` returned (latents, rotary keys); None: the float one,
+    `kvjax.mla.absorbed_decode`.
   """
   write: Callable
   read: Callable
-  attend: Callable
+  attend: Callable | None
+  latent_attend: Callable | None = None
 
 
 _DECODE_CACHES: dict[type, DecodeCache] = {}

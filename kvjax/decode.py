@@ -34,15 +34,18 @@ import jax.numpy as jnp
 from kvjax import blocked
 from kvjax import cache as cache_lib
 from kvjax import layered
+from kvjax import layered_latent
 from kvjax import model
 from kvjax import projections
 from kvjax.config import ModelConfig
 
 ATTEND_MIN = 128  # smallest attention prefix a decode segment uses
 DECODE_LAYOUTS = ("auto", "stacked", "blocked", "layered")
-# Segment views: modules with supports / from_cache / into_cache and a
-# registered decode cache kind (`attention.register_decode_cache`).
-_VIEWS = {"blocked": blocked, "layered": layered}
+# Segment views per (layout, attention): modules with supports / from_cache /
+# into_cache and a registered decode cache kind
+# (`attention.register_decode_cache`).
+_VIEWS = {("blocked", "gqa"): blocked, ("layered", "gqa"): layered,
+          ("layered", "mla"): layered_latent}
 # 'auto' reads float caches layered from this batch on: at batch 1 a float
 # per-layer array measured 0.5x the stacked step (gqa-small, 8192 slots).
 LAYERED_MIN_BATCH = 4
@@ -54,7 +57,11 @@ LAYERED_MIN_BATCH = 4
 # int8 / int4 caches layered at every batch and length (integer
 # attention). Nothing picks 'blocked' by itself any more: the layered cache
 # beat it at every point (blocked 0.94-1.01x for gqa-medium, 1.24-1.54x
-# for mha-small).
+# for mha-small). MLA: int8 / int4 latents layered at every batch and
+# length (integer attention, `kvjax.layered_latent`: mla-small at batch 8,
+# 2.9-3.7x the stacked float32 step at 2048-4096 slots), float latents
+# stacked (layered 0.92-1.11x there: the absorbed step is bound by its
+# dots, not by the slice copy).
 LAYERED_MIN_SLOTS = 2048
 
 
@@ -146,13 +153,15 @@ def plan(params, config: ModelConfig, policy: cache_lib.CachePolicy,
   The attention schedule needs eviction 'none', positions 'original', no
   stop tokens (the while_loop has one body) and no sharding plan; without
   `attend_buckets` it is one segment over the whole cache. Both
-  views need the schedule, attention 'gqa' and per-layer params (what
-  `kvjax.packed.for_decode` gives on CPU); 'blocked' a float cache,
-  'layered' a `layered.LAYERED_DTYPES` one with per-token keys. 'auto'
+  views need the schedule and per-layer params (what
+  `kvjax.packed.for_decode` gives on CPU); 'blocked' a float GQA-family
+  cache, 'layered' a `layered.LAYERED_DTYPES` one with per-token keys, or
+  MLA's latents (`layered_latent.LAYERED_LATENT_DTYPES`, absorbed decode
+  path). 'auto'
   (CPU params, where they were measured): 'layered' for int8 / int4
-  caches at every batch; for float caches from LAYERED_MIN_BATCH
-  sequences on, 'layered' in segments attending LAYERED_MIN_SLOTS slots
-  or more; else 'stacked'.
+  caches at every batch (MLA's latents too); for the GQA family's float
+  caches from LAYERED_MIN_BATCH sequences on, 'layered' in segments
+  attending LAYERED_MIN_SLOTS slots or more; else 'stacked'.
 
   Raises:
     ValueError: an unknown decode_layout, or a view where it cannot run.
@@ -182,7 +191,7 @@ def plan(params, config: ModelConfig, policy: cache_lib.CachePolicy,
     return Plan(schedule)
   if policy.quantized:
     return Plan(schedule, "layered")
-  if batch < LAYERED_MIN_BATCH:
+  if batch < LAYERED_MIN_BATCH or config.attention == "mla":
     return Plan(schedule)
   layouts = tuple("layered" if (attend or capacity) >= LAYERED_MIN_SLOTS
                   else "stacked" for _, attend in schedule)
@@ -195,14 +204,20 @@ def _why_not(layout: str, schedule, params, config: ModelConfig,
   if schedule is None:
     return ("it runs decode segments, which need eviction='none', "
             "positions='original', no stop tokens and no shardings")
-  if config.attention != "gqa":
-    return f"attention={config.attention!r} has no per-head keys"
+  if (layout, config.attention) not in _VIEWS:
+    return (f"attention={config.attention!r} has no {layout!r} view (MLA's "
+            "latents have 'layered' only)")
+  if config.attention == "mla" and config.mla_decode != "absorbed":
+    return (f"mla_decode={config.mla_decode!r} expands the latents every "
+            "step; the layered latent view serves the absorbed path")
   if layout == "blocked" and policy.quantized:
     return f"kv_dtype={policy.kv_dtype!r} (quantized scales are not blocked)"
-  if layout == "layered" and (policy.kv_dtype not in layered.LAYERED_DTYPES
+  dtypes = (layered_latent.LAYERED_LATENT_DTYPES
+            if config.attention == "mla" else layered.LAYERED_DTYPES)
+  if layout == "layered" and (policy.kv_dtype not in dtypes
                               or policy.channel_keys):
     return (f"kv_dtype={policy.kv_dtype!r}, key_quant={policy.key_quant!r} "
-            f"(layered: {layered.LAYERED_DTYPES}, per-token keys)")
+            f"(layered: {dtypes}, per-token keys)")
   if not projections.is_packed(params):
     return ("stacked layer params reach the cache by a traced layer index; "
             "per-layer arrays need the decode layout (`kvjax.pack`)")
@@ -258,7 +273,7 @@ def run(params, config: ModelConfig, tok_B, cache, xs, *,
     records, start = [], 0
     for i, (steps, attend) in enumerate(plan.schedule or ((n, 0),)):
       prefix = attend or cache.capacity
-      view = _VIEWS.get(plan.segment_layout(i))
+      view = _VIEWS.get((plan.segment_layout(i), config.attention))
       use_view = view is not None and view.supports(cache, prefix) is None
       seg = view.from_cache(cache, prefix) if use_view else cache
       seg_xs = (None if xs is None else

@@ -82,7 +82,7 @@ INT8_MAX_SLOTS = (2**31 - 1) // (254 * 127)
 _P_OFFSET = 127  # codes c = round(p / p_scale) - 127 cover p in 255 levels
 LAYERED_DTYPES = ("float32", "bfloat16", "float16", "int8", "int4")
 TRANSPOSED = ("int8", "int4")  # values stored [B, K, H, S]
-MIN_DOT_ROWS = 4  # rows an int8 dot is padded to (`_min_rows`)
+MIN_DOT_ROWS = 4  # rows an int8 dot is padded to (`min_rows`)
 _KEY_SLOTS, _VALUE_SLOTS, _VALUE_SLOTS_T = 3, 2, 3  # slot axis of [B, K, ., .]
 
 
@@ -216,18 +216,18 @@ def write(layered: LayeredKV, layer: int, slots_BT, k_BTKH, v_BTKH
     slot_axis = (_KEY_SLOTS if name == "k" else
                  _VALUE_SLOTS_T if layered.transposed else _VALUE_SLOTS)
     arrs = list(getattr(layered, name))
-    arrs[layer] = _put(arrs[layer], slots_BT[:, 0], codes_BKH, slot_axis)
+    arrs[layer] = put_slot(arrs[layer], slots_BT[:, 0], codes_BKH, slot_axis)
     new[name] = tuple(arrs)
     if scale_BK is not None:
       scales = list(getattr(layered, name + "_scale"))
-      scales[layer] = _put(scales[layer], slots_BT[:, 0], scale_BK, 2)
+      scales[layer] = put_slot(scales[layer], slots_BT[:, 0], scale_BK, 2)
       new[name + "_scale"] = tuple(scales)
   return layered.replace(**new)
 
 
-def _put(arr, s_B, new, axis: int):
-  """arr [B, K, ...] with index s_B[b] of its slot `axis` set to new
-  [B, K, ...] (the slot axis removed) for every sequence b (s = S:
+def put_slot(arr, s_B, new, axis: int):
+  """arr [B, ...] with index s_B[b] of its slot `axis` (>= 1) set to new
+  [B, ...] (the slot axis removed) for every sequence b (s = S:
   unchanged).
 
   Why a dynamic_update_slice at batch 1: XLA:CPU turns a one-sequence
@@ -270,11 +270,21 @@ def int8_attend(q_BTKGH, k: Int8Rows, v: Int8Rows, mask_BKTS, scale: float):
   if T != 1:
     raise ValueError(f"int8_attend is decode attention (T = 1), got T={T}")
   q_codes_BKGH, q_scale_BKG = quant.quantize(q_BTKGH[:, 0], jnp.int8)
-  dots_BKGS = jnp.einsum("BKGH,BKHS->BKGS", _min_rows(q_codes_BKGH, 2),
+  dots_BKGS = jnp.einsum("BKGH,BKHS->BKGS", min_rows(q_codes_BKGH, 2),
                          k.codes, preferred_element_type=jnp.int32)[:, :, :G]
   logits_BKGS = (dots_BKGS.astype(jnp.float32) * q_scale_BKG[..., None] *
                  k.scale[:, :, None])
   probs_BKGS = attention.decode_probs(logits_BKGS, mask_BKTS, scale)
+  out_BKGH = int8_values(probs_BKGS, v)
+  return out_BKGH[:, None].astype(q_BTKGH.dtype), probs_BKGS[:, :, :, None]
+
+
+def int8_values(probs_BKGS, v: Int8Rows):
+  """Σ_s p_s v_s [B, K, G, H] (float32) over int8 values (codes [B, K, H,
+  S], transposed) with one integer dot (module docstring: the
+  probabilities times each token's value scale, quantized per row to 255
+  levels, and a row of ones for Σ_s v_codes)."""
+  B, K, G, _ = probs_BKGS.shape
   # Each token's value scale moves into its probability (both >= 0).
   pv_BKGS = probs_BKGS * v.scale[:, :, None]
   p_scale_BKG = jnp.max(pv_BKGS, axis=-1) / (2 * _P_OFFSET)
@@ -285,15 +295,14 @@ def int8_attend(q_BTKGH, k: Int8Rows, v: Int8Rows, mask_BKTS, scale: float):
   # MIN_DOT_ROWS.
   sums_BKHg = jnp.einsum(
       "BKHS,BKGS->BKHG", v.codes,
-      _min_rows(jnp.concatenate([codes_BKGS, ones_BK1S], axis=2), 2),
+      min_rows(jnp.concatenate([codes_BKGS, ones_BK1S], axis=2), 2),
       preferred_element_type=jnp.int32)[..., :G + 1]
   sums_BKGH = jnp.swapaxes(
       sums_BKHg[..., :G] + _P_OFFSET * sums_BKHg[..., G:], -1, -2)
-  out_BKGH = sums_BKGH.astype(jnp.float32) * p_scale_BKG[..., None]
-  return out_BKGH[:, None].astype(q_BTKGH.dtype), probs_BKGS[:, :, :, None]
+  return sums_BKGH.astype(jnp.float32) * p_scale_BKG[..., None]
 
 
-def _min_rows(x_BKGW, axis: int):
+def min_rows(x_BKGW, axis: int):
   """x with zero rows appended along `axis` up to MIN_DOT_ROWS.
 
   Why: an int8 dot with one or two rows (MHA's G = 1) runs XLA:CPU's slow

@@ -83,10 +83,36 @@ def _softmax(logits_BNTS, mask_B1TS):
   return jax.nn.softmax(logits_BNTS, axis=-1)
 
 
+def absorbed_decode(q_lat_BTNC, q_rope_BTNR, c_BSC, r_BSR, mask_B1TS,
+                    scale: float):
+  """Absorbed decode attention (T = 1) over float latents c [B, S, C] and
+  rotary keys r [B, S, R]: a latent decode cache's `latent_attend` unless
+  its kind registers its own (`attention.DecodeCache`).
+
+  Returns:
+    o_lat_BTNC (the latent output, before W_UV), probs_BNTS.
+  """
+  f32 = jnp.float32
+  # Latents @ queries, the cache as the dot's row-major left operand (see
+  # `attention.attend`), swapped to [B, N, 1, S] after the barrier.
+  logits_BSN = jax.lax.optimization_barrier(
+      jnp.einsum("BSC,BNC->BSN", c_BSC, q_lat_BTNC[:, 0],
+                 preferred_element_type=f32) +
+      jnp.einsum("BSR,BNR->BSN", r_BSR, q_rope_BTNR[:, 0],
+                 preferred_element_type=f32))
+  logits_BNTS = jnp.swapaxes(logits_BSN, 1, 2)[:, :, None]
+  probs_BNTS = _softmax(logits_BNTS * scale, mask_B1TS)
+  o_lat_BTNC = jnp.einsum("BNTS,BSC->BTNC",
+                          probs_BNTS.astype(q_lat_BTNC.dtype), c_BSC)
+  return o_lat_BTNC, probs_BNTS
+
+
 def latent_attend(p, q_nope_BTNP, q_rope_BTNR, c_BSC, r_BSR, mask_B1TS,
-                  scale: float, path: str):
+                  scale: float, path: str, decode_attend=absorbed_decode):
   """Attention of per-head queries over latents (mask [B, 1, T, S]: the
-  latent is shared by every head).
+  latent is shared by every head). A decode step (T = 1) on the absorbed
+  path runs `decode_attend` (the cache kind's `latent_attend`) over `c`
+  and `r` as its kind's `read` returned them.
 
   Returns:
     out_BTNO (per-head values before the output projection), probs_BNTS.
@@ -96,23 +122,17 @@ def latent_attend(p, q_nope_BTNP, q_rope_BTNR, c_BSC, r_BSR, mask_B1TS,
   if path == "absorbed":
     q_lat_BTNC = projections.absorb_q(p, q_nope_BTNP)
     if q_lat_BTNC.shape[1] == 1:
-      # Decode: latents @ queries, the cache as the dot's row-major left
-      # operand (see `attention.attend`), swapped to [B, N, 1, S] after the
-      # barrier.
-      logits_BSN = jax.lax.optimization_barrier(
-          jnp.einsum("BSC,BNC->BSN", c_BSC, q_lat_BTNC[:, 0],
-                     preferred_element_type=f32) +
-          jnp.einsum("BSR,BNR->BSN", r_BSR, q_rope_BTNR[:, 0],
-                     preferred_element_type=f32))
-      logits_BNTS = jnp.swapaxes(logits_BSN, 1, 2)[:, :, None]
+      o_lat_BTNC, probs_BNTS = decode_attend(q_lat_BTNC, q_rope_BTNR, c_BSC,
+                                             r_BSR, mask_B1TS, scale)
     else:
       logits_BNTS = (
           jnp.einsum("BTNC,BSC->BNTS", q_lat_BTNC, c_BSC,
                      preferred_element_type=f32) +
           jnp.einsum("BTNR,BSR->BNTS", q_rope_BTNR, r_BSR,
                      preferred_element_type=f32))
-    probs_BNTS = _softmax(logits_BNTS * scale, mask_B1TS)
-    o_lat_BTNC = jnp.einsum("BNTS,BSC->BTNC", probs_BNTS.astype(dtype), c_BSC)
+      probs_BNTS = _softmax(logits_BNTS * scale, mask_B1TS)
+      o_lat_BTNC = jnp.einsum("BNTS,BSC->BTNC", probs_BNTS.astype(dtype),
+                              c_BSC)
     out_BTNO = projections.absorb_out(p, o_lat_BTNC)
   else:
     k_nope_BSNP, v_BSNO = projections.expand_kv(p, c_BSC)
@@ -188,12 +208,14 @@ def mla_attention(p, x_BTD, step: Step, cache, layer, config: ModelConfig):
   r_store_BTR = r_BTR if pre_rope else r_rot_BTR
 
   path = "naive"
+  decode_attend = absorbed_decode
   compress = step.mode == "prefill" and cache.policy.scoped
   if step.mode == "decode":
     path = config.mla_decode
     # The cache kind (LatentCache, a paged pool, ...) decides how latents
-    # are stored and read (`attention.DecodeCache`).
+    # are stored, read and attended (`attention.DecodeCache`).
     kind = decode_cache(cache)
+    decode_attend = kind.latent_attend or absorbed_decode
     cache = kind.write(cache, layer, layer_slots(step, layer), c_BTC,
                        r_store_BTR)
     c_BSC, r_BSR = kind.read(cache, layer, dtype, step.attend)
@@ -222,7 +244,8 @@ def mla_attention(p, x_BTD, step: Step, cache, layer, config: ModelConfig):
   else:
     out_BTNO, probs_BNTS = latent_attend(p, q_nope_BTNP, q_rope_BTNR, c_BSC,
                                          r_BSR, mask_B1TS,
-                                         config.softmax_scale, path)
+                                         config.softmax_scale, path,
+                                         decode_attend)
   if isinstance(cache, ProbeRecord):
     cache = cache.record(layer, probs_BNTS)
   elif cache is not None and (compress or step.want_scores):
@@ -246,6 +269,6 @@ def mla_attention(p, x_BTD, step: Step, cache, layer, config: ModelConfig):
 
 
 # A latent decode cache's attention is `latent_attend` (it needs the layer's
-# params), so the kind registers storage only.
+# params); its absorbed decode core over float latents is `absorbed_decode`.
 register_decode_cache(LatentCache, DecodeCache(write=write_latent,
                                                read=read_latent, attend=None))

@@ -40,7 +40,7 @@ WINDOW, SINKS = 8, 4  # positional policies evict: 18 tokens in 8 slots
 VARIANTS = ("mha", "mqa", "gqa", "mla")
 POLICIES = ("none", "window", "sinks", "h2o", "snapkv", "pyramid")
 KV = ("float32", "bfloat16", "int8", "int8-kivi", "int4-kivi")
-CACHE_LAYOUTS = ("stacked", "blocked")
+CACHE_LAYOUTS = ("stacked", "blocked", "layered")
 PARAMS = ("canonical", "packed")
 AXES = dict(variant=VARIANTS, policy=POLICIES, kv=KV, layout=CACHE_LAYOUTS,
             params=PARAMS)
@@ -52,6 +52,10 @@ def valid(variant, policy, kv, layout, params) -> bool:
       variant != "mla" and policy == "none" and params == "packed" and
       kv in ("float32", "bfloat16")):
     return False  # decode.plan: GQA family, float, segments, per-layer
+  if layout == "layered" and not (
+      policy == "none" and params == "packed" and kv in ("float32",
+                                                         "bfloat16", "int8")):
+    return False  # decode.plan: per-token storage, segments, per-layer
   if kv.endswith("-kivi") and policy != "none":
     return False  # KIVI: eviction 'none' only
   if policy == "snapkv" and variant == "mla":
@@ -82,8 +86,11 @@ def covering(axes: dict, ok, start=()) -> list[dict]:
 
 
 # The fast tier: a covering of GQA and MLA alone; the slow tier extends it
-# to every variant.
-FAST_CASES = covering(dict(AXES, variant=cases.FAST_VARIANTS), valid)
+# to every variant. Both start from MLA's integer attention over int8
+# latents (`kvjax.layered_latent`), which a covering of pairs alone skips.
+FAST_CASES = covering(dict(AXES, variant=cases.FAST_VARIANTS), valid,
+                      start=[dict(variant="mla", policy="none", kv="int8",
+                                  layout="layered", params="packed")])
 FAST = {cases.case_name(c) for c in FAST_CASES}
 CASES = covering(AXES, valid, start=FAST_CASES)
 
@@ -136,7 +143,7 @@ class DecodePathTest(parameterized.TestCase):
            for p in itertools.combinations(c.items(), 2)}
     self.assertEqual(wanted - got, set())
     self.assertTrue(all(valid(**c) for c in CASES))
-    # Far fewer than the valid product (160 cases): each case compiles a
+    # Far fewer than the valid product (172 cases): each case compiles a
     # generate.
     n_valid = sum(1 for vals in itertools.product(*AXES.values())
                   if valid(*vals))

@@ -318,7 +318,6 @@ class PlanTest(parameterized.TestCase):
 
   @parameterized.named_parameters(
       ("kivi", dict(dtype="int8", key_quant="channel"), "stacked"),
-      ("mla", dict(kind="mla", dtype="int8"), "stacked"),
       ("scan_params", dict(layout="scan", dtype="int8"), "stacked"),
   )
   def test_auto_stays_stacked_where_layered_cannot_run(self, kw, want):
@@ -327,7 +326,6 @@ class PlanTest(parameterized.TestCase):
   @parameterized.named_parameters(
       ("kivi", dict(dtype="int8", key_quant="channel"),
        "key_quant='channel'"),
-      ("mla", dict(kind="mla"), "attention='mla'"),
       ("scan", dict(layout="scan"), "per-layer arrays"),
       ("window", dict(eviction="window"), "decode segments"),
   )
