@@ -7,8 +7,8 @@ greedily through each cache policy × kv dtype at each budget
 (`kvjax.lab.task_eval`), and reports exact-match accuracy. Which policy
 keeps the needle at 10 % of the cache:
 
-  python experiments/task_eval.py --workdir=workdir/task_eval
-  python experiments/task_eval.py --checkpoint=workdir/tasks-gqa-passkey \
+  python experiments/policy_eval.py --workdir=workdir/policy_eval
+  python experiments/policy_eval.py --checkpoint=workdir/tasks-gqa-passkey \
       --tasks=passkey --lengths=256 --kv_dtypes=float32,int8,kivi \
       --workdir=workdir/task_eval_pk
 

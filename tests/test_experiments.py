@@ -34,7 +34,7 @@ CLI_SCRIPTS = sorted(
         "decode_layout", "error_check_cost", "explain", "generate",
         "llamacpp_peer", "memory_growth",
         "peer_benchmark", "prefill_scaling", "serve", "streaming_eval",
-        "task_eval", "train", "train_speed"))
+        "policy_eval", "train", "train_speed"))
 
 
 class ExperimentsImportTest(absltest.TestCase):
@@ -164,6 +164,36 @@ class PrefillScalingTest(absltest.TestCase):
                    compute="float64")
     self.assertIn("cpu", out["host"])
     self.assertIn("64 tokens:", proc.stdout)
+
+
+@pytest.mark.slow  # a subprocess that compiles four decode loops
+class CacheLayoutTest(absltest.TestCase):
+
+  def test_tiny_mla_run_times_both_latent_layouts(self):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    with tempfile.TemporaryDirectory() as tmp:
+      proc = subprocess.run(
+          [sys.executable, os.path.join(ROOT, "experiments",
+                                        "cache_layout.py"),
+           "--preset=mla-tiny", "--batch=2", "--contexts=64",
+           "--kv_dtypes=float32,int8", "--steps=2", "--repeats=1",
+           f"--workdir={tmp}"],
+          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+      self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+      with open(os.path.join(tmp, "cache_layout.json")) as f:
+        out = json.load(f)
+    # blocked views hold GQA caches only: MLA times stacked and layered.
+    self.assertEqual(sorted((r["kv_dtype"], r["layout"]) for r in out["rows"]),
+                     [("float32", "layered"), ("float32", "stacked"),
+                      ("int8", "layered"), ("int8", "stacked")])
+    first = out["rows"][0]
+    self.assertEqual((first["kv_dtype"], first["layout"]),
+                     ("float32", "stacked"))
+    self.assertEqual(first["vs_first"], 1.0)
+    for r in out["rows"]:
+      self.assertGreater(r["step_s"], 0)
+      self.assertEqual(r["context"], 64)
+    self.assertIn("layered", proc.stdout)
 
 
 @pytest.mark.slow  # a subprocess that compiles the probe

@@ -439,6 +439,29 @@ class MixtureTest(parameterized.TestCase):
     other = tasks.generate("passkey_repeat", 512, 0.5, 4).text()
     self.assertNotIn(first, other)  # and are drawn per example
 
+  def test_span_filler_repeats_at_periods_up_to_its_whole_length(self):
+    # Past its first period the filler equals itself one period back (so
+    # copying predicts it), and the periods spread over the whole filler:
+    # long distances are trained, not only a few dozen bytes.
+    periods = []
+    for seed in range(60):
+      ex = tasks.generate("passkey_span", 512, 0.0, seed)
+      self.assertEqual(ex.filler, "span")
+      self.assertNotIn("grass", ex.text())
+      start, end = ex.needles[0][1], ex.context[1]  # after the needle
+      filler = np.asarray(ex.tokens[start:end])
+      filler = filler[np.argmax(filler != ord(" ")):]  # the padding ends
+      n = filler.shape[0]
+      period = next((p for p in range(1, n)
+                     if np.array_equal(filler[p:], filler[:n - p])), n)
+      periods.append(period)
+    periods = np.array(periods)
+    self.assertLess(periods.min(), 64)
+    self.assertGreater(periods.max(), 300)
+    self.assertGreater(np.mean(periods > 128), 0.4)
+    with self.assertRaisesRegex(ValueError, "filler='spam'"):
+      tasks.PasskeySpec(filler="spam")
+
   def test_text_rows(self):
     text = _haystack()
     m = self._mixture(tasks=(), text_weight=1.0, batch_size=4)
@@ -764,7 +787,7 @@ class TrainTest(absltest.TestCase):
 class ShippedTaskModelTest(absltest.TestCase):
 
   def test_retrieves_a_late_needle_through_the_full_cache(self):
-    # checkpoints/tasks-gqa-passkey (task_eval's default model) finds a
+    # checkpoints/tasks-gqa-passkey (policy_eval.py's default model) finds a
     # pass key at the end of a 256-byte prompt; a random model scores 0.
     import os  # pylint: disable=g-import-not-at-top
     from kvjax import orbax_checkpoint  # pylint: disable=g-import-not-at-top
@@ -779,7 +802,7 @@ class ShippedTaskModelTest(absltest.TestCase):
 @pytest.mark.slow
 class ExperimentTest(absltest.TestCase):
 
-  def test_task_eval_script_writes_its_outputs(self):
+  def test_policy_eval_script_writes_its_outputs(self):
     import json  # pylint: disable=g-import-not-at-top
     import os  # pylint: disable=g-import-not-at-top
     import subprocess  # pylint: disable=g-import-not-at-top
@@ -787,7 +810,7 @@ class ExperimentTest(absltest.TestCase):
     root = os.path.join(os.path.dirname(__file__), "..")
     workdir = self.create_tempdir().full_path
     proc = subprocess.run(
-        [sys.executable, "experiments/task_eval.py", f"--workdir={workdir}",
+        [sys.executable, "experiments/policy_eval.py", f"--workdir={workdir}",
          "--checkpoint=", "--model=configs/model.py:gqa-tiny",
          "--tasks=passkey,mqar", "--lengths=128", "--depths=0,1",
          "--samples=1", "--seeds=2", "--policies=full,window,snapkv",
@@ -829,7 +852,7 @@ class ExperimentTest(absltest.TestCase):
                           ("--kv_dtypes=int3", "kv_dtype='int3'"),
                           ("--seeds=0", "seeds must be >= 1")):
       proc = subprocess.run(
-          [sys.executable, "experiments/task_eval.py",
+          [sys.executable, "experiments/policy_eval.py",
            f"--workdir={self.create_tempdir().full_path}", "--checkpoint=",
            flag], cwd=root, env=dict(os.environ, JAX_PLATFORMS="cpu"),
           capture_output=True, text=True, timeout=300)

@@ -89,7 +89,7 @@ ANSWER_SEPARATOR = ", "
 _CONSONANTS = "bdfgklmnprstvz"
 _VOWELS = "aeiou"
 
-FILLERS = ("noise", "text", "needles", "repeat")
+FILLERS = ("noise", "text", "needles", "repeat", "span")
 KEY_KINDS = ("word", "number")
 
 
@@ -101,9 +101,10 @@ KEY_KINDS = ("word", "number")
 class PasskeySpec:
   """Passkey retrieval: a `digits`-digit number (leading digit non-zero).
 
-  filler: 'noise' (the paper's repeated sentences), 'text' or 'repeat'
+  filler: 'noise' (the paper's repeated sentences), 'text', 'repeat'
     (random sentences of pseudo-words, repeated: a training haystack that
-    only copying from earlier context predicts).
+    only copying from earlier context predicts) or 'span' (the same with
+    a period drawn up to the filler's length: copying at every distance).
   """
 
   digits: int = 5
@@ -112,9 +113,9 @@ class PasskeySpec:
   def __post_init__(self):
     if not 1 <= self.digits <= 18:
       raise ValueError(f"digits must be in [1, 18], got {self.digits}")
-    if self.filler not in ("noise", "text", "repeat"):
-      raise ValueError(f"filler={self.filler!r} is not 'noise', 'text' or "
-                       "'repeat'")
+    if self.filler not in ("noise", "text", "repeat", "span"):
+      raise ValueError(f"filler={self.filler!r} is not 'noise', 'text', "
+                       "'repeat' or 'span'")
 
   @property
   def answer_length(self) -> int:
@@ -227,6 +228,7 @@ TaskSpec = PasskeySpec | NiahSpec | MqarSpec
 TASKS: dict[str, TaskSpec] = {
     "passkey": PasskeySpec(),
     "passkey_repeat": PasskeySpec(filler="repeat"),  # a training haystack
+    "passkey_span": PasskeySpec(filler="span"),  # copying at long range
     "niah_single": NiahSpec(),  # niah_single_1
     "niah_single_text": NiahSpec(filler="text"),  # niah_single_2
     "niah_multikey": NiahSpec(num_keys=4, filler="text"),  # niah_multikey_1
@@ -281,7 +283,8 @@ class Example:
   depth: the requested depth of the first gold needle.
   anchor: row of `needles` placed at `depth` (a gold needle).
   context: [start, end) of the haystack + needles in `tokens`.
-  filler: the haystack actually used ('noise', 'text', 'needles', 'pairs').
+  filler: the haystack actually used ('noise', 'text', 'needles', 'repeat',
+    'span', 'pairs').
   """
 
   task: str
@@ -394,7 +397,7 @@ def _boundaries(filler: np.ndarray, kind: str) -> np.ndarray:
   whitespace (text); always 0 and n. Fillers start with whitespace and end
   at a sentence's or word's end (`_padded`), so 0 and n are clean too."""
   n = filler.shape[0]
-  if kind in ("noise", "needles", "repeat"):
+  if kind in ("noise", "needles", "repeat", "span"):
     # Before ' The' that follows '.', and at 0.
     inner = np.flatnonzero((filler[1:] == ord(" ")) &
                            (filler[:-1] == ord("."))) + 1
@@ -437,6 +440,27 @@ def _repeat_filler(rng, n: int, exclude: Sequence[str] = ()) -> np.ndarray:
   sentences = [_bytes(" " + " ".join(
       words[int(i)] for i in rng.integers(0, 16, size=int(rng.integers(2, 5))))
       + ".") for _ in range(int(rng.integers(2, 5)))]
+  count = n // min(len(x) for x in sentences) + 1
+  return _padded([sentences[i % len(sentences)] for i in range(count)], n)
+
+
+def _span_filler(rng, n: int, exclude: Sequence[str] = ()) -> np.ndarray:
+  """Random sentences of pseudo-words filling a period p drawn uniformly in
+  [min(16, n), n] bytes, repeated in order to n bytes. Past the first
+  period every byte is predictable by copying from about p bytes back, and
+  by nothing else: where `_repeat_filler`'s short rounds train copying over
+  a few dozen bytes, p spans the whole filler, so copying is trained at
+  every distance the context holds (what retrieving a far needle needs)."""
+  if n <= 0:
+    return np.zeros((0,), np.int32)
+  words = _pseudo_words(rng, 32, exclude)
+  period = int(rng.integers(min(16, n), n + 1))
+  sentences, size = [], 0
+  while size < period:
+    count = int(rng.integers(2, 5))
+    sentences.append(_bytes(" " + " ".join(
+        words[int(i)] for i in rng.integers(0, 32, size=count)) + "."))
+    size += sentences[-1].shape[0]
   count = n // min(len(x) for x in sentences) + 1
   return _padded([sentences[i % len(sentences)] for i in range(count)], n)
 
@@ -484,6 +508,8 @@ def _filler(rng, n: int, kind: str, haystack, spec, exclude=()):
     return _noise_filler(rng, n), kind
   if kind == "repeat":
     return _repeat_filler(rng, n, exclude), kind
+  if kind == "span":
+    return _span_filler(rng, n, exclude), kind
   if kind == "text":
     return _text_filler(rng, n, haystack), kind
   return _needle_filler(rng, n, spec, exclude), kind
