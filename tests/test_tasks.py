@@ -605,6 +605,12 @@ class PolicyTest(parameterized.TestCase):
     lo, hi = task_eval.wilson_interval(10, 10)
     self.assertEqual(hi, 1.0)
     self.assertLess(lo, 0.8)
+    for n in range(1, 200):  # the bounds hold p exactly, also at 0 and n
+      for k in (0, n // 3, n):
+        lo, hi = task_eval.wilson_interval(k, n)
+        self.assertLessEqual(lo, k / n)
+        self.assertGreaterEqual(hi, k / n)
+    self.assertEqual(task_eval.wilson_interval(60, 60)[1], 1.0)
 
   def test_accuracy_grid(self):
     recs = [dict(length=256, depth=0.0, exact=1.0),

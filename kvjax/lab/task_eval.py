@@ -427,4 +427,6 @@ def wilson_interval(successes: float, n: int, z: float = 1.96):
   denom = 1 + z * z / n
   centre = (p + z * z / (2 * n)) / denom
   half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-  return (max(0.0, centre - half), min(1.0, centre + half))
+  # min / max with p: at p = 1 (or 0) rounding can leave the bound a hair
+  # on the wrong side of p (60 of 60: 0.9999999999999999).
+  return (min(p, max(0.0, centre - half)), max(p, min(1.0, centre + half)))
