@@ -136,11 +136,21 @@ def supports(cache, attend: int) -> str | None:
   if policy.kv_dtype not in LAYERED_DTYPES or policy.channel_keys:
     return (f"kv_dtype={policy.kv_dtype!r}, key_quant={policy.key_quant!r} "
             f"(layered: {LAYERED_DTYPES}, per-token keys)")
+  return segment_limits(policy, cache.capacity, attend)
+
+
+def segment_limits(policy: cache_lib.CachePolicy, capacity: int,
+                   attend: int) -> str | None:
+  """Why a per-layer view (this one or `kvjax.layered_latent`'s) cannot
+  hold a segment attending `attend` of `capacity` slots, or None: it
+  needs eviction 'none' and positions 'original' (the filled slots a
+  prefix), 1 <= attend <= capacity and, for integer attention, attend <=
+  INT8_MAX_SLOTS."""
   if policy.eviction != "none" or policy.positions != "original":
     return (f"eviction={policy.eviction!r}, positions={policy.positions!r} "
             "(needs 'none', 'original': the filled slots a prefix)")
-  if not 1 <= attend <= cache.capacity:
-    return f"attend={attend} is not within capacity {cache.capacity}"
+  if not 1 <= attend <= capacity:
+    return f"attend={attend} is not within capacity {capacity}"
   if policy.quantized and attend > INT8_MAX_SLOTS:
     return (f"attend={attend} > {INT8_MAX_SLOTS} slots, where int8 "
             "attention's int32 sums could overflow")
@@ -266,7 +276,7 @@ def int8_attend(q_BTKGH, k: Int8Rows, v: Int8Rows, mask_BKTS, scale: float):
   Returns:
     out_BTKGH in q's dtype, probs_BKGTS (float32, of the int8 logits).
   """
-  B, T, K, G, H = q_BTKGH.shape
+  _, T, _, G, _ = q_BTKGH.shape
   if T != 1:
     raise ValueError(f"int8_attend is decode attention (T = 1), got T={T}")
   q_codes_BKGH, q_scale_BKG = quant.quantize(q_BTKGH[:, 0], jnp.int8)

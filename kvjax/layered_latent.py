@@ -96,15 +96,7 @@ def supports(cache, attend: int) -> str | None:
   if policy.kv_dtype not in LAYERED_LATENT_DTYPES or policy.channel_keys:
     return (f"kv_dtype={policy.kv_dtype!r}, key_quant={policy.key_quant!r} "
             f"(layered latents: {LAYERED_LATENT_DTYPES}, per-token scales)")
-  if policy.eviction != "none" or policy.positions != "original":
-    return (f"eviction={policy.eviction!r}, positions={policy.positions!r} "
-            "(needs 'none', 'original': the filled slots a prefix)")
-  if not 1 <= attend <= cache.capacity:
-    return f"attend={attend} is not within capacity {cache.capacity}"
-  if policy.quantized and attend > layered.INT8_MAX_SLOTS:
-    return (f"attend={attend} > {layered.INT8_MAX_SLOTS} slots, where int8 "
-            "attention's int32 sums could overflow")
-  return None
+  return layered.segment_limits(policy, cache.capacity, attend)
 
 
 def from_cache(cache: cache_lib.LatentCache, attend: int) -> LayeredLatent:

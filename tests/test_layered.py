@@ -33,7 +33,7 @@ from kvjax import quant
 from kvjax.lab import streaming
 from kvjax.tolerance import assert_close
 import cases
-from tiny_models import tiny, tiny_params
+from tiny_models import teacher_forced_layouts, tiny, tiny_params
 
 
 def _random_cache(config, batch, capacity, length, dtype="float32", seed=0):
@@ -250,22 +250,7 @@ class GenerateTest(parameterized.TestCase):
     # every step writes the same codes; the logits differ by the integer
     # attention's rounding only.
     config = tiny("gqa")
-    params = kvjax.pack(tiny_params("gqa"), config)
-    prompt = jax.random.randint(jax.random.key(2), (batch, 12), 0,
-                                config.vocab_size)
-    given = jax.random.randint(jax.random.key(3), (40, batch), 0,
-                               config.vocab_size)
-    policy = cache_lib.CachePolicy(kv_dtype=dtype)
-    cache = kvjax.init_cache(config, batch, 64, policy=policy)
-    _, cache = inference.prefill(params, config, prompt, cache)
-    out = {}
-    for layout in ("stacked", "layered"):
-      plan = decode.Plan(((40, 64),), layout)
-      _, c, logits = jax.jit(lambda c, plan=plan: decode.run(
-          params, config, prompt[:, -1], c, given, plan=plan,
-          choose=lambda logits, x: x,
-          emit=lambda logits, *_: logits))(cache)
-      out[layout] = (c, logits)
+    out = teacher_forced_layouts("gqa", dtype, batch)
     a, b = out["stacked"][0], out["layered"][0]
     # Layer 0's keys and values come from the embeddings alone: the same
     # codes; deeper layers' see the integer attention's rounding.

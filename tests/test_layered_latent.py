@@ -18,7 +18,7 @@ from kvjax import mla
 from kvjax import quant
 from kvjax.tolerance import assert_close
 import cases
-from tiny_models import tiny, tiny_params
+from tiny_models import teacher_forced_layouts, tiny, tiny_params
 
 DTYPES = layered_latent.LAYERED_LATENT_DTYPES
 FIELDS = ("c_kv", "k_rope", "c_scale", "r_scale", "positions", "length",
@@ -141,26 +141,11 @@ class GenerateTest(parameterized.TestCase):
                  slow=lambda dtype, batch: (dtype, batch) != ("int8", 3))
   def test_integer_attention_writes_the_stacked_cache_and_keeps_the_logits(
       self, dtype, batch):
-    # Teacher-forced through the one decode loop, so every step writes the
-    # same tokens (greedy tokens of a random model flip on any rounding):
+    # Teacher-forced through the one decode loop (greedy tokens of a random
+    # model flip on any rounding): every step writes the same tokens, and
     # the logits differ by the integer attention's rounding only.
     config = tiny("mla")
-    params = kvjax.pack(tiny_params("mla"), config)
-    prompt = jax.random.randint(jax.random.key(2), (batch, 12), 0,
-                                config.vocab_size)
-    given = jax.random.randint(jax.random.key(3), (40, batch), 0,
-                               config.vocab_size)
-    policy = cache_lib.CachePolicy(kv_dtype=dtype)
-    cache = kvjax.init_cache(config, batch, 64, policy=policy)
-    _, cache = inference.prefill(params, config, prompt, cache)
-    out = {}
-    for layout in ("stacked", "layered"):
-      plan = decode.Plan(((40, 64),), layout)
-      _, c, logits = jax.jit(lambda c, plan=plan: decode.run(
-          params, config, prompt[:, -1], c, given, plan=plan,
-          choose=lambda logits, x: x,
-          emit=lambda logits, *_: logits))(cache)
-      out[layout] = (c, logits)
+    out = teacher_forced_layouts("mla", dtype, batch)
     a, b = out["stacked"][0], out["layered"][0]
     # Layer 0's latents come from the embeddings alone: the same codes;
     # deeper layers' see the integer attention's rounding.

@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 
 import kvjax
+from kvjax import decode
+from kvjax import inference
 from kvjax import model
 from configs import model as model_presets
 
@@ -49,3 +51,30 @@ def teacher_forced_decode_logits(variant, kv_dtype, n_prompt=6, n_steps=6):
                               config.vocab_size)
   cache = kvjax.init_cache(config, 2, 16, dtype=kv_dtype)
   return _prefill_then_decode(params, config, tokens, cache, n_prompt)
+
+
+def teacher_forced_layouts(variant, kv_dtype, batch, layouts=("stacked",
+                                                             "layered"),
+                           n_prompt=12, n_steps=40, capacity=64):
+  """{layout: (cache, logits [n_steps, B, V])}: the same prompt prefilled,
+  then `n_steps` given tokens fed through the one decode loop reading the
+  cache in each layout (packed params; greedy tokens of a random model
+  would flip on any rounding, so the tokens are given)."""
+  config = tiny(variant)
+  params = kvjax.pack(tiny_params(variant), config)
+  prompt = jax.random.randint(jax.random.key(2), (batch, n_prompt), 0,
+                              config.vocab_size)
+  given = jax.random.randint(jax.random.key(3), (n_steps, batch), 0,
+                             config.vocab_size)
+  cache = kvjax.init_cache(config, batch, capacity,
+                           policy=kvjax.CachePolicy(kv_dtype=kv_dtype))
+  _, cache = inference.prefill(params, config, prompt, cache)
+  out = {}
+  for layout in layouts:
+    plan = decode.Plan(((n_steps, capacity),), layout)
+    _, c, logits = jax.jit(lambda c, plan=plan: decode.run(
+        params, config, prompt[:, -1], c, given, plan=plan,
+        choose=lambda logits, x: x,
+        emit=lambda logits, *_: logits))(cache)
+    out[layout] = (c, logits)
+  return out
