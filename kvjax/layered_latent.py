@@ -14,9 +14,11 @@ for bit, and a step reads its layer's arrays in place.
 
 Why per-layer arrays: a decode step over the stacked cache reads
 `c_kv[l, :, :S]`, a strided slice of the [L, B, S', C] array (for B > 1 not
-one contiguous block). On the float cache this buys little: the absorbed
-step is bound by its dots, which with N query rows per sequence run far
-below XLA:CPU's GEMM rate (WORKSPACE.md "MLA decode path").
+one contiguous block). On the float cache this buys little (0.92-1.11x
+the stacked step, so `decode.plan`'s 'auto' keeps float latents stacked):
+the absorbed step is bound by its dots, which with N query rows per
+sequence run far below XLA:CPU's GEMM rate (WORKSPACE.md "Quantized
+caches", MLA's integer path).
 
 Why integer attention: the same dots over int8 codes (int32 accumulation:
 AVX-512 VNNI / AMX here, IMMA on GPUs) ran 2.5-2.8x faster than the float32
