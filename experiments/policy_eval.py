@@ -76,13 +76,14 @@ _SAMPLES = flags.DEFINE_integer("samples", 4,
                                 "Examples per (task, length, depth).")
 _SEED = flags.DEFINE_integer("seed", 0, "First example seed.")
 _POLICIES = flags.DEFINE_list(
-    "policies", "full,window,sinks4,h2o,tova,snapkv,snapkv@stream,knorm",
+    "policies", "full,window,sinks4,h2o,tova,snapkv,snapkv@stream,knorm,"
+    "pyramid,adakv,keydiff",
     "full, window, sinks<n> or a scored policy of kvjax.policies (h2o, "
     "tova, knorm, snapkv, pyramid, adakv, keydiff); ':original' / ':cache' "
     "picks the RoPE position mode, '@stream' evicts during decode instead "
     "of compressing the prompt at prefill.")
 _KV_DTYPES = flags.DEFINE_list(
-    "kv_dtypes", "float32",
+    "kv_dtypes", "float32,bfloat16,int8,kivi",
     f"Cache storage formats from {task_eval.KV_FORMATS} ('kivi', "
     "'kivi4' and 'kivi2', KIVI at 8, 4 and 2 bits, run with policy 'full' "
     "only).")
@@ -170,13 +171,20 @@ def markdown(rows, budgets) -> str:
 def plot_budget(rows, path, title):
   """Accuracy against the KV bytes one sequence's cache holds, one panel
   per (task, length), one curve per policy and format (95 % Wilson
-  intervals); the full cache is a point at its bytes and a dashed line."""
+  intervals): a colour per policy, a marker per kv dtype, the legend
+  beside the panels; the full cache is a point at its bytes and a dashed
+  line."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   panels = list(dict.fromkeys((r["task"], r["length"]) for r in rows))
+  policies = list(dict.fromkeys(r["policy"] for r in rows))
+  dtypes = list(dict.fromkeys(r["kv_dtype"] for r in rows))
+  cmap = plt.get_cmap("tab20" if len(policies) > 10 else "tab10")
+  color = {p: cmap(i % cmap.N) for i, p in enumerate(policies)}
+  marker = {d: "osD^vP<>X*"[i % 10] for i, d in enumerate(dtypes)}
   fig, axes = plt.subplots(1, len(panels), squeeze=False,
-                           figsize=(6 * len(panels), 4.5))
+                           figsize=(6 * len(panels) + 4.5, 4.8))
   for ax, (task, length) in zip(axes[0], panels):
     for lab in dict.fromkeys(r["label"] for r in rows):
       rs = sorted((r for r in rows if (r["task"], r["length"], r["label"]) ==
@@ -185,25 +193,29 @@ def plot_budget(rows, path, title):
         continue
       x = [r["kv_bytes"] / 1024 for r in rs]
       y = [r["accuracy"] for r in rs]
-      err = np.array([[r["accuracy"] - r["ci95"][0] for r in rs],
-                      [r["ci95"][1] - r["accuracy"] for r in rs]])
+      err = np.maximum(0.0, np.array(
+          [[r["accuracy"] - r["ci95"][0] for r in rs],
+           [r["ci95"][1] - r["accuracy"] for r in rs]]))
+      style = dict(color=color[rs[0]["policy"]],
+                   marker=marker[rs[0]["kv_dtype"]], capsize=2,
+                   markersize=5, label=lab, alpha=0.85)
       if rs[0]["policy"] == "full":
-        line = ax.errorbar(x, y, yerr=err, marker="*", markersize=10,
-                           capsize=3, linestyle="none", label=f"{lab}")
-        ax.axhline(y[0], color=line[0].get_color(), linestyle="--",
-                   alpha=0.5)
+        ax.errorbar(x, y, yerr=err, linestyle="none", **style)
+        ax.axhline(y[0], color=style["color"], linestyle="--", alpha=0.3)
         continue
-      ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=lab,
-                  linestyle="--" if "@stream" in lab else "-")
+      ax.errorbar(x, y, yerr=err,
+                  linestyle="--" if "@stream" in lab else "-", **style)
     ax.set_xscale("log")
     ax.set_xlabel("KV cache bytes per sequence (KiB, log)")
     ax.set_ylabel("exact-match accuracy")
     ax.set_ylim(-0.05, 1.05)
     ax.set_title(f"{task}, T = {length}")
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7)
-  fig.suptitle(title, fontsize=9)
-  fig.tight_layout()
+  handles, labels = axes[0][0].get_legend_handles_labels()
+  fig.legend(handles, labels, loc="upper left", bbox_to_anchor=(0.64, 0.92),
+             fontsize=6, ncol=1 if len(labels) <= 24 else 2, frameon=False)
+  fig.suptitle(title, fontsize=8)
+  fig.tight_layout(rect=(0, 0, 0.63, 1))
   fig.savefig(path, dpi=110)
   plt.close(fig)
 
