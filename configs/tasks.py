@@ -39,8 +39,8 @@ What made passkey learnable is the span filler: with the short-period
 `passkey_repeat` filler in its place (copying over a few dozen bytes only)
 validation exact match stalled at 0.67 after 6,600 updates, retrieving late
 needles only; with the span filler it jumps from 0.03 to 1.0 between
-updates 2,500 and 2,900 (GQA); in the same 4000 updates MQA reaches 0.59
-and MLA 0.03. What each variant reaches: WORKSPACE.md
+updates 2,500 and 2,900 (GQA); in the same 4000 updates MQA reaches 0.59,
+MHA 0.55 and MLA 0.03. What each variant reaches: WORKSPACE.md
 ("Long-context tasks through a bounded cache"); on gqa-mqar the recipe does
 not learn (validation answers flat at chance through 2,100 updates: the
 same section).
