@@ -150,6 +150,8 @@ def get_config(arg: str = "gqa-passkey") -> ml_collections.ConfigDict:
       keep_checkpoints=2,
       log_every=10,
       seed=0,
+      # bfloat16 operands, float32 accumulation (kvjax.mixed_precision).
+      matmul_dtype="bfloat16",
       data_dir=ml_collections.config_dict.placeholder(str),
   ))
   return cfg

@@ -9,15 +9,20 @@ step `kvjax.train.run` takes: `create_train_state` on `init_params`, then
 `train_step`) in a fresh subprocess per commit and round, alternating base,
 head, base, head, ... so both see the same load drift. Each subprocess
 compiles, then times --repeats steps on the same fixed batch; a round's
-figure is their median. Between rounds the parent measures the float32
-matmul peak (`benchmarking.matmul_peak`), the in-run probe the model FLOP
-utilisation is quoted against: MFU = model FLOPs per step (3 × the forward's
-useful FLOPs, `benchmarking.prefill_flops` with every position's logits)
-/ step time / probe.
+figure is their median. Between rounds the parent measures the matmul
+peak (`benchmarking.matmul_peak`) in float32 and in bfloat16 with float32
+accumulation, the in-run probes the model FLOP utilisation is quoted
+against: MFU = model FLOPs per step (3 × the forward's useful FLOPs,
+`benchmarking.prefill_flops` with every position's logits) / step time /
+probe, against the probe of the precision the side's products run in
+(`TrainConfig.matmul_dtype`; a checkout without the field: float32), and
+against the float32 probe for both.
 
 Both commits start from the same seed and batch, so their losses after
-the timed steps must agree (printed: an identical loss curve, or the float
-reassociation of a changed program).
+the timed steps agree to the float reassociation of a changed program when
+both run float32 products; with bfloat16 operands on one side they differ
+by that rounding (printed; the validation bits/byte a full run reaches is
+the quality check, WORKSPACE.md "Training speed").
 
 Prints one line per variant: tokens/s of each, the speed-up (median over
 rounds of base time / head time), MFU of each and the losses; writes
@@ -61,8 +66,11 @@ config = cfg_lib.model_config(cfg.model)
 tc = train.TrainConfig.from_dict(cfg.train.to_dict())
 params = jax.jit(kvjax.init_params, static_argnums=0)(
     config, jax.random.key(tc.seed))
-state = train.create_train_state(params, train.model_logits_fn(config),
-                                 train.make_optimizer(tc))
+# The preset's matmul precision where the checkout has the choice.
+dtype = getattr(tc, "matmul_dtype", None)
+logits_fn = (train.model_logits_fn(config, dtype) if dtype else
+             train.model_logits_fn(config))
+state = train.create_train_state(params, logits_fn, train.make_optimizer(tc))
 batch = jnp.asarray(np.random.default_rng(0).integers(
     0, 256, (tc.batch_size, tc.seq_len + 1)), jnp.int32)
 for _ in range(2):
@@ -75,7 +83,7 @@ for _ in range(repeats):
   jax.block_until_ready(m)
   ts.append(time.perf_counter() - t0)
 print(json.dumps(dict(median_s=statistics.median(ts), times=ts,
-                      loss=float(m["loss"]))))
+                      loss=float(m["loss"]), matmul_dtype=dtype or "float32")))
 """
 
 
@@ -100,16 +108,19 @@ def main(argv):
     for variant in _VARIANTS.value:
       flops, tokens = step_flops(variant)
       t = {"base": [], "head": []}
-      loss = {}
-      peaks = []
+      loss, dtype = {}, {}
+      peaks = {"float32": [], "bfloat16": []}
       for _ in range(_ROUNDS.value):
-        peaks.append(bm.matmul_peak()["flops_per_s"])
+        for d in peaks:
+          peaks[d].append(bm.matmul_peak(dtype=d)["flops_per_s"])
         for side, tree in (("base", base), ("head", head)):
           r = _probe(tree, variant)
           t[side].append(r["median_s"])
-          loss[side] = r["loss"]
+          loss[side], dtype[side] = r["loss"], r.get("matmul_dtype",
+                                                     "float32")
       speedups = [b / h for b, h in zip(t["base"], t["head"])]
-      peak = statistics.median(peaks)
+      peak_of = {d: statistics.median(v) for d, v in peaks.items()}
+      peak = peak_of["float32"]
       med = {side: statistics.median(v) for side, v in t.items()}
       row = dict(variant=variant, tokens_per_step=tokens,
                  model_flops_per_step=flops, matmul_peak_flops_per_s=peak,
@@ -117,15 +128,23 @@ def main(argv):
                  speedup=statistics.median(speedups), speedups=speedups,
                  **{f"{side}_tokens_per_s": tokens / med[side]
                     for side in med},
-                 **{f"{side}_mfu": flops / med[side] / peak for side in med},
+                 bf16_matmul_peak_flops_per_s=peak_of["bfloat16"],
+                 **{f"{side}_matmul_dtype": dtype[side] for side in med},
+                 # Against the probe of the side's own product precision.
+                 **{f"{side}_mfu": flops / med[side] / peak_of[dtype[side]]
+                    for side in med},
+                 **{f"{side}_mfu_f32_probe": flops / med[side] / peak
+                    for side in med},
                  base_loss=loss["base"], head_loss=loss["head"])
       rows.append(row)
-      print(f"{variant}: head {row['head_tokens_per_s']:.0f} tok/s "
-            f"(MFU {row['head_mfu']:.1%}), base "
-            f"{row['base_tokens_per_s']:.0f} tok/s (MFU "
+      print(f"{variant}: head ({dtype['head']} products) "
+            f"{row['head_tokens_per_s']:.0f} tok/s (MFU {row['head_mfu']:.1%}"
+            f"; {row['head_mfu_f32_probe']:.1%} of the float32 probe), base "
+            f"({dtype['base']}) {row['base_tokens_per_s']:.0f} tok/s (MFU "
             f"{row['base_mfu']:.1%}); speed-up {row['speedup']:.2f}x "
             f"(rounds {', '.join(f'{s:.2f}' for s in speedups)}); matmul "
-            f"probe {peak / 1e9:.0f} GFLOP/s; loss after "
+            f"probes {peak / 1e9:.0f} GFLOP/s float32, "
+            f"{peak_of['bfloat16'] / 1e9:.0f} bfloat16; loss after "
             f"{_REPEATS.value + 2} steps base {loss['base']:.6f}, head "
             f"{loss['head']:.6f}", flush=True)
   result = dict(base=_BASE.value, **bm.revision(head),

@@ -177,11 +177,22 @@ def attend(q_BTKGH, k_BKSH, v_BKSH, mask_BKTS, scale: float,
         preferred_element_type=jnp.float32).reshape(B, K, G, C, S_hi)
     logits_BKGCS = jnp.where(mask_BKTS[:, :, None, t0:t1, :S_hi],
                              logits_BKGCS * scale, big_neg)
-    probs_BKGCS = jax.nn.softmax(logits_BKGCS, axis=-1)
+    # Softmax with the normalisation after the value product (as flash
+    # attention does): the division runs over [.., H] outputs, not [.., S]
+    # probabilities, and the row maximum is a constant to the gradient
+    # (softmax does not depend on it), so the backward pass has no
+    # reduce-max select. The probabilities are formed only when read
+    # (policies, probes); unread, XLA drops them.
+    m_BKGC1 = jax.lax.stop_gradient(
+        jnp.max(logits_BKGCS, axis=-1, keepdims=True))
+    e_BKGCS = jnp.exp(logits_BKGCS - m_BKGC1)
+    l_BKGC1 = jnp.sum(e_BKGCS, axis=-1, keepdims=True)
+    probs_BKGCS = e_BKGCS / l_BKGC1
     out_BKQH = jnp.einsum(
         "BKQS,BKSH->BKQH",
-        probs_BKGCS.reshape(B, K, G * C, S_hi).astype(v_BKSH.dtype),
+        e_BKGCS.reshape(B, K, G * C, S_hi).astype(v_BKSH.dtype),
         v_BKSH[:, :, :S_hi], preferred_element_type=jnp.float32)
+    out_BKQH = out_BKQH / l_BKGC1.reshape(B, K, G * C, 1)
     outs.append(jnp.transpose(out_BKQH.reshape(B, K, G, C, H),
                               (0, 3, 1, 2, 4)))
     probs.append(jnp.pad(probs_BKGCS,

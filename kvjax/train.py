@@ -46,6 +46,7 @@ import optax
 
 import kvjax
 from kvjax import data
+from kvjax import mixed_precision
 from kvjax import orbax_checkpoint
 from kvjax import packed
 from kvjax import probe
@@ -53,6 +54,7 @@ from kvjax import probe
 Params = Any
 LogitsFn = Callable[[Params, jax.Array], jax.Array]
 
+MATMUL_DTYPES = ("float32", "bfloat16")
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
 CONFIG_FILE = "config.json"
@@ -82,6 +84,10 @@ class TrainConfig:
   log_every: int = 10
   seed: int = 0
   bos: bool = False  # rows start with BOS (`data.train_batch`)
+  # Operands of the model's matrix products: 'float32', or 'bfloat16' with
+  # float32 accumulation (`kvjax.mixed_precision`; params, activations,
+  # softmax, loss and optimiser stay float32). Evaluation is float32.
+  matmul_dtype: str = "float32"
   data_dir: str | None = None  # None: $KVJAX_DATA_DIR or ./data/janeaustenr
 
   def __post_init__(self):
@@ -97,6 +103,9 @@ class TrainConfig:
       raise ValueError(f"lr must be > 0, got {self.lr}")
     if not 0 <= self.min_lr_ratio <= 1:
       raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+    if self.matmul_dtype not in MATMUL_DTYPES:
+      raise ValueError(f"matmul_dtype must be one of {MATMUL_DTYPES}, got "
+                       f"{self.matmul_dtype!r}")
     if self.warmup_steps >= self.num_steps:
       raise ValueError(f"warmup_steps={self.warmup_steps} must be < "
                        f"num_steps={self.num_steps}")
@@ -119,8 +128,13 @@ class TrainConfig:
 # Model glue.
 
 
-def model_logits_fn(model_config) -> LogitsFn:
-  """`logits_fn` for a kvjax model: (params, tokens [B,T]) -> logits [B,T,V]."""
+def model_logits_fn(model_config, matmul_dtype: str = "float32") -> LogitsFn:
+  """`logits_fn` for a kvjax model: (params, tokens [B,T]) -> logits [B,T,V];
+  with matmul_dtype 'bfloat16' its products run on bfloat16 operands with
+  float32 accumulation (`mixed_precision.bf16_matmuls`)."""
+  if matmul_dtype not in MATMUL_DTYPES:
+    raise ValueError(f"matmul_dtype must be one of {MATMUL_DTYPES}, got "
+                     f"{matmul_dtype!r}")
 
   def logits_fn(params, tokens_BT):
     # The training layout is chosen inside the step (`packed.for_training`):
@@ -128,6 +142,8 @@ def model_logits_fn(model_config) -> LogitsFn:
     return kvjax.forward(packed.for_training(params, model_config),
                          model_config, tokens_BT)
 
+  if matmul_dtype == "bfloat16":
+    return mixed_precision.bf16_matmuls(logits_fn)
   return logits_fn
 
 
@@ -211,13 +227,20 @@ class TrainState:
   opt_state: optax.OptState
   logits_fn: LogitsFn = flax.struct.field(pytree_node=False)
   tx: optax.GradientTransformation = flax.struct.field(pytree_node=False)
+  # What evaluation runs: the model at inference precision (logits_fn may
+  # round its products for speed, `TrainConfig.matmul_dtype`).
+  eval_logits_fn: LogitsFn | None = flax.struct.field(pytree_node=False,
+                                                      default=None)
 
 
 def create_train_state(params: Params, logits_fn: LogitsFn,
-                       tx: optax.GradientTransformation) -> TrainState:
-  """A fresh state at step 0."""
+                       tx: optax.GradientTransformation,
+                       eval_logits_fn: LogitsFn | None = None) -> TrainState:
+  """A fresh state at step 0; evaluation runs `eval_logits_fn` (default
+  `logits_fn`)."""
   return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                    opt_state=tx.init(params), logits_fn=logits_fn, tx=tx)
+                    opt_state=tx.init(params), logits_fn=logits_fn, tx=tx,
+                    eval_logits_fn=eval_logits_fn or logits_fn)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -249,7 +272,8 @@ def train_step(state: TrainState,
 def eval_step(state: TrainState,
               batch: jax.Array) -> tuple[jax.Array, jax.Array]:
   """(summed nats float32 [], counted targets float32 []) on a [B, T+1] batch."""
-  logits_BTV = state.logits_fn(state.params, batch[:, :-1])
+  logits_fn = state.eval_logits_fn or state.logits_fn
+  logits_BTV = logits_fn(state.params, batch[:, :-1])
   return masked_nll(logits_BTV, batch[:, 1:])
 
 
@@ -498,8 +522,9 @@ def run(model_config, config: TrainConfig,
   # One compiled program instead of one dispatch (and compile) per tensor.
   params = jax.jit(kvjax.init_params, static_argnums=0)(
       model_config, jax.random.key(config.seed))
-  state = create_train_state(params, model_logits_fn(model_config),
-                             make_optimizer(config))
+  state = create_train_state(
+      params, model_logits_fn(model_config, config.matmul_dtype),
+      make_optimizer(config), eval_logits_fn=model_logits_fn(model_config))
   start = time.perf_counter()
   # Attention sinks as training goes: the first token's attention mass on
   # the first validation batch, every evaluation (`probe.first_token_mass`).

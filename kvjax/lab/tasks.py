@@ -1203,7 +1203,8 @@ def _masked_step_fns():
 
   @jax.jit
   def eval_fn(state, inputs_BT, targets_BT):
-    logits_BTV = state.logits_fn(state.params, inputs_BT)
+    logits_fn = state.eval_logits_fn or state.logits_fn
+    logits_BTV = logits_fn(state.params, inputs_BT)
     nll, count = train.masked_nll(logits_BTV, targets_BT)
     mask_BT = targets_BT != data.PAD
     hit_BT = (jnp.argmax(logits_BTV, axis=-1) == targets_BT) & mask_BT
@@ -1284,8 +1285,10 @@ def train_task_model(model_config, train_config, mixture: Mixture,
   step_fn, eval_fn = _masked_step_fns()
   params = jax.jit(kvjax.init_params, static_argnums=0)(
       model_config, jax.random.key(train_config.seed))
-  state = train.create_train_state(params, train.model_logits_fn(model_config),
-                                   train.make_optimizer(train_config))
+  state = train.create_train_state(
+      params, train.model_logits_fn(model_config, train_config.matmul_dtype),
+      train.make_optimizer(train_config),
+      eval_logits_fn=train.model_logits_fn(model_config))
   # Validation scores the answers only, whatever the training loss covers.
   answers_only = dataclasses.replace(mixture, prompt_loss=False)
   eval_set = [mixture_batch(answers_only,

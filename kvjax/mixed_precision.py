@@ -1,0 +1,167 @@
+"""Mixed-precision matmuls as a function transformation: every float32
+matrix product of a function runs on bfloat16 operands with float32
+accumulation and a float32 result, forward and backward; everything else
+(norms, softmax, the loss, the parameters, the optimiser) stays float32.
+
+    logits_fn = mixed_precision.bf16_matmuls(logits_fn)
+
+This is the training seam's precision choice (`kvjax.train`,
+`TrainConfig.matmul_dtype`): the model code is untouched and never asks
+which precision it runs in. It is what TPUs do by default and what
+mixed-precision training on GPUs does with tensor cores; on a CPU with
+AMX or AVX-512 BF16 it is where the matmul throughput is: the Intel Xeon
+host runs the training step's products 2.2–4.4× faster in bfloat16 with
+float32 accumulation than in float32 (WORKSPACE.md "Training speed").
+
+How: the function is traced to a jaxpr and re-evaluated with each
+`dot_general` whose operands are both float32 replaced by `bf16_dot`, a
+`jax.custom_vjp` whose backward products (cotangent × operand) are also
+bfloat16 × bfloat16 → float32. Nested `jit` calls and `checkpoint`
+(remat) regions are inlined and rewritten; loops and conditionals
+(`scan`, `while`, `cond`) run as traced, their products in float32 —
+the transformation never reaches inside a loop, so a layer scan or a
+tiled attention loop keeps full precision (the training forward has
+neither: `packed.for_training`).
+
+Numerics: each product's operands are rounded to 8 significant bits;
+sums are exact to float32. The loss curve of a run changes by that
+rounding (not identical to a float32 run for the same seed); the
+validation bits/byte it reaches is reported beside the float32 run's in
+WORKSPACE.md.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+
+from jax.extend import core as jex_core
+from jax._src import source_info_util  # the public API has no user_context
+
+_F32, _BF16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
+
+# Higher-order primitives whose body is a plain function call: inlined, so
+# their products are rewritten too. ('jaxpr' holds the body.)
+_INLINE = frozenset({"pjit", "jit", "closed_call", "core_call", "remat",
+                     "checkpoint", "remat2"})
+
+
+def _dims(dimension_numbers):
+  (lc, rc), (lb, rb) = dimension_numbers
+  return tuple(lc), tuple(rc), tuple(lb), tuple(rb)
+
+
+def _bf16_product(x, y, dimension_numbers):
+  return lax.dot_general(x.astype(_BF16), y.astype(_BF16), dimension_numbers,
+                         preferred_element_type=_F32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def bf16_dot(x, y, dimension_numbers):
+  """`lax.dot_general(x, y, dimension_numbers)` for float32 x, y with
+  bfloat16 operands and float32 accumulation; float32 result. The
+  backward products are bfloat16 × bfloat16 → float32 as well."""
+  return _bf16_product(x, y, dimension_numbers)
+
+
+def _bf16_dot_fwd(x, y, dimension_numbers):
+  xb, yb = x.astype(_BF16), y.astype(_BF16)
+  # Residuals in bfloat16: half the activation memory of float32 ones.
+  return (lax.dot_general(xb, yb, dimension_numbers,
+                          preferred_element_type=_F32), (xb, yb))
+
+
+def _bf16_dot_bwd(dimension_numbers, res, ct):
+  xb, yb = res
+  ctb = ct.astype(_BF16)
+  lc, rc, lb, rb = _dims(dimension_numbers)
+  nb = len(lb)
+  x_free = [i for i in range(xb.ndim) if i not in lc and i not in lb]
+  y_free = [i for i in range(yb.ndim) if i not in rc and i not in rb]
+  # The output's axes: batch, x's free axes, y's free axes (in order).
+  ct_x = list(range(nb, nb + len(x_free)))
+  ct_y = list(range(nb + len(x_free), ct.ndim))
+  # dx = ct · y over y's free axes; result axes: batch, x_free, then y's
+  # contracting axes in increasing order (each paired with an axis of x).
+  dx = lax.dot_general(ctb, yb, ((ct_y, y_free), (list(range(nb)), list(rb))),
+                       preferred_element_type=_F32)
+  dx_axes = list(lb) + x_free + [lc[rc.index(r)] for r in sorted(rc)]
+  dx = lax.transpose(dx, [dx_axes.index(i) for i in range(xb.ndim)])
+  # dy = x · ct over x's free axes; result axes: batch, x's contracting
+  # axes in increasing order (paired with y's), then y_free.
+  dy = lax.dot_general(xb, ctb, ((x_free, ct_x), (list(lb), list(range(nb)))),
+                       preferred_element_type=_F32)
+  dy_axes = list(rb) + [rc[lc.index(l)] for l in sorted(lc)] + y_free
+  dy = lax.transpose(dy, [dy_axes.index(i) for i in range(yb.ndim)])
+  return dx, dy
+
+
+bf16_dot.defvjp(_bf16_dot_fwd, _bf16_dot_bwd)
+
+
+def _rewritable(eqn) -> bool:
+  if eqn.primitive.name != "dot_general":
+    return False
+  x, y = (v.aval for v in eqn.invars)
+  out = eqn.params.get("preferred_element_type")
+  (_, _), (lb, _) = eqn.params["dimension_numbers"]
+  return (x.dtype == _F32 and y.dtype == _F32 and not lb
+          and (out is None or jnp.dtype(out) == _F32))
+
+
+def _eval(jaxpr, consts: Sequence, args: Sequence) -> list:
+  env = {}
+
+  def read(v):
+    return v.val if isinstance(v, jex_core.Literal) else env[v]
+
+  for var, val in zip(jaxpr.constvars, consts):
+    env[var] = val
+  for var, val in zip(jaxpr.invars, args):
+    env[var] = val
+  for eqn in jaxpr.eqns:
+    with source_info_util.user_context(eqn.source_info.traceback,
+                                       name_stack=eqn.source_info.name_stack):
+      outs = _eval_eqn(eqn, [read(v) for v in eqn.invars])
+    for var, val in zip(eqn.outvars, outs):
+      env[var] = val
+  return [read(v) for v in jaxpr.outvars]
+
+
+def _eval_eqn(eqn, invals: list) -> list:
+  """One equation, rewritten where it is a float32 product; the source
+  location travels with it (profiles and HLO metadata name the model's
+  line, not this interpreter's)."""
+  if _rewritable(eqn):
+    return [bf16_dot(*invals, eqn.params["dimension_numbers"])]
+  body = eqn.params.get("jaxpr")
+  if eqn.primitive.name in _INLINE and body is not None:
+    if isinstance(body, jex_core.ClosedJaxpr):
+      return _eval(body.jaxpr, body.consts, invals)
+    return _eval(body, (), invals)
+  bind = eqn.primitive.get_bind_params(eqn.params)
+  # Older JAX returns (subfuns, params), newer the params alone.
+  subfuns, params = bind if isinstance(bind, tuple) else ((), bind)
+  with eqn.ctx.manager:
+    outs = eqn.primitive.bind(*subfuns, *invals, **params)
+  return outs if eqn.primitive.multiple_results else [outs]
+
+
+def bf16_matmuls(fn: Callable) -> Callable:
+  """`fn` with its float32 matrix products in bfloat16 × bfloat16 → float32
+  (see the module docstring). Same signature, pytrees in and out; traces
+  `fn` once per call (use it inside `jit`)."""
+
+  @functools.wraps(fn)
+  def wrapped(*args):
+    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    flat_args = jax.tree_util.tree_leaves(args)
+    flat_out = _eval(closed.jaxpr, closed.consts, flat_args)
+    return jax.tree_util.tree_unflatten(
+        jax.tree_util.tree_structure(out_shape), flat_out)
+
+  return wrapped
