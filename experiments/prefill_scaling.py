@@ -8,7 +8,9 @@ Times the jitted prefill (`kvjax.prefill`'s body, the default params
 layout) of --batch prompts of each length into a fresh cache
 (`benchmarking.prefill_scaling`: medians of --repeats) and reads XLA's
 memory analysis of the prefills at --memory_lengths with dense and with
-tiled attention (`kvjax.flash`; compiled from shapes only), and times both
+tiled attention (`kvjax.flash`; compiled from shapes only) and of the last
+--chunk tokens of a chunked prefill at --chunk_memory_lengths (what
+`kvjax.prefill_chunked` holds at most), and times both
 paths side by side at --path_lengths (what sets `flash.MIN_PAIRS`). Prints
 tokens/s per length relative to the shortest; writes
 prefill_scaling.json (with the CPU model) and prefill_scaling.png to
@@ -46,13 +48,20 @@ _PATHS = cli.DEFINE_int_list(
     "side by side (alternating rounds).", lower_bound=1, allow_empty=True)
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed prefills per length.",
                                 lower_bound=1)
+_CHUNK = flags.DEFINE_integer("chunk", 2048, "Chunk of the chunked prefills "
+                              "whose memory is analysed.", lower_bound=1)
+_CHUNK_MEMORY = cli.DEFINE_int_list(
+    "chunk_memory_lengths", [8192, 16384, 32768],
+    "Prompt lengths whose chunked prefill's last chunk is analysed "
+    "(`benchmarking.chunk_memory`).", lower_bound=1, allow_empty=True)
 
 
 def main(argv):
   del argv
   cfg = _CONFIG.value
   config = configs.model_config(cfg.model)
-  longest = max(_LENGTHS.value + _MEMORY.value + _PATHS.value)
+  longest = max(_LENGTHS.value + _MEMORY.value + _PATHS.value +
+                _CHUNK_MEMORY.value)
   if longest > config.max_seq_len:
     config = kvjax.ModelConfig.from_dict(
         dict(config.to_dict(), max_seq_len=longest))
@@ -62,6 +71,9 @@ def main(argv):
   out["paths"] = [dict(length=n, **bm.prefill_paths(
       params, config, _BATCH.value, n, repeats=_REPEATS.value))
                   for n in _PATHS.value]
+  out["chunk_memory"] = [dict(length=n, chunk=_CHUNK.value, **bm.chunk_memory(
+      params, config, _BATCH.value, n, _CHUNK.value))
+                         for n in _CHUNK_MEMORY.value]
   out.update(preset=cfg.preset, host=bm.machine_info(),
              revision=bm.revision(os.path.dirname(os.path.abspath(__file__))))
   os.makedirs(_WORKDIR.value, exist_ok=True)
@@ -83,6 +95,10 @@ def main(argv):
   for m in out["memory"]:
     print(f"  {m['length']:>6} tokens, {m['path']:>5}: temporaries "
           f"{m['temporaries'] / 2**20:.0f} MiB (XLA memory analysis)")
+  for m in out["chunk_memory"]:
+    print(f"  {m['length']:>6} tokens in chunks of {m['chunk']}: the last "
+          f"chunk's temporaries {m['temporaries'] / 2**20:.0f} MiB, cache "
+          f"{m['outputs'] / 2**20:.0f} MiB (XLA memory analysis)")
 
 
 if __name__ == "__main__":

@@ -274,6 +274,34 @@ def read_kv(cache: cache_lib.KVCache, layer, dtype, prefix: int = 0):
   return quant.dequantize(cache.k[layer, :, :, :S], k_scale, dtype), v_BKSH
 
 
+def cached_keys(cache, layer, dtype, pos_BS) -> flash.CachedKeys | None:
+  """One layer's cached keys and values (slot positions `pos_BS`) as
+  tiles read in place from the stacked arrays (`flash.CachedKeys`): a
+  slice of the stacked cache taken outside the tile loop is a copy of the
+  layer, and reading the cache from before this call's write keeps a copy
+  of the whole cache alive (XLA's memory analysis of a 32k extend,
+  WORKSPACE.md); a dynamic slice of the written cache inside the loop is
+  neither. None where a tile cannot be read alone: KIVI's per-channel key
+  groups (`kivi.read_keys`), or a cache that is not a stacked `KVCache`.
+  """
+  if not isinstance(cache, cache_lib.KVCache) or cache.policy.channel_keys:
+    return None
+
+  def take(a, start, size):  # a: [L, B, K, S, ...] -> [B, K, size, ...]
+    starts = (layer, 0, 0, start) + (0,) * (a.ndim - 4)
+    sizes = (1,) + a.shape[1:3] + (size,) + a.shape[4:]
+    return jax.lax.dynamic_slice(a, starts, sizes)[0]
+
+  def read(start, size):
+    scales = [None if x is None else take(x, start, size)
+              for x in (cache.k_scale, cache.v_scale)]
+    return (quant.dequantize(take(cache.k, start, size), scales[0], dtype),
+            quant.dequantize(take(cache.v, start, size), scales[1], dtype))
+
+  # Append-only: slot = position, so the used slots are a prefix.
+  return flash.CachedKeys(read, pos_BS, used=jnp.max(pos_BS) + 1)
+
+
 # ---- the decode cache protocol ----------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class DecodeCache:
@@ -466,14 +494,30 @@ def gqa_attention(p, x_BTD, step: Step, cache, layer, config: ModelConfig):
     if step.mode in ("prefill", "extend") and not compress:
       cache = write_kv(cache, layer, step.slots, k_store_BTKH, v_BTKH,
                        fresh=step.mode == "prefill")
+  # A tiled extend of an append-only cache reads the old keys in place from
+  # the cache it just wrote (`cached_keys`), so no layer is copied whole;
+  # otherwise it attends the concatenation (when unused, XLA drops it).
+  cached = None
+  if (step.mode == "extend" and not pre_rope and cache.policy.append_only):
+    # The old slots of the written cache: an append-only write leaves them
+    # as they were, and the cache's positions (updated after the last
+    # layer) still show only them. The new keys are attended as computed
+    # (unquantized), as the concatenation would.
+    cached = cached_keys(cache, layer, dtype, cache.positions)
 
   need_probs = (compress or step.want_scores or
                 isinstance(cache, ProbeRecord))
   if step.mode != "decode" and tiled(step, T, k_BKSH.shape[2], need_probs,
                                      config.attention_impl):
-    out_BTKGH = flash.attend(q_BTKGH, k_BKSH, v_BKSH, step.q_pos,
-                             step.k_pos, step.visibility,
-                             config.softmax_scale)
+    if cached is not None:
+      out_BTKGH = flash.attend(q_BTKGH, jnp.swapaxes(k_rot_BTKH, 1, 2),
+                               jnp.swapaxes(v_BTKH, 1, 2), step.q_pos,
+                               step.q_pos, step.visibility,
+                               config.softmax_scale, cached=cached)
+    else:
+      out_BTKGH = flash.attend(q_BTKGH, k_BKSH, v_BKSH, step.q_pos,
+                               step.k_pos, step.visibility,
+                               config.softmax_scale)
     probs = None
   else:
     out_BTKGH, probs = attend_fn(q_BTKGH, k_BKSH, v_BKSH, mask_BKTS,

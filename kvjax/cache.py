@@ -126,6 +126,13 @@ class CachePolicy:
   options: tuple = ()
   evictor: policies.Policy | None = None
 
+  @property
+  def append_only(self) -> bool:
+    """Every token keeps its own slot, slot = position, nothing evicted or
+    overwritten (eviction 'none'): a call's new tokens can be written
+    before they are attended without hiding an old one."""
+    return self.eviction == "none"
+
   def __post_init__(self):
     set_ = lambda k, v: object.__setattr__(self, k, v)
     set_("evictor", self._build_evictor())

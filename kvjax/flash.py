@@ -28,6 +28,7 @@ heads, G query heads per kv head, H query/key head dim, O value head dim
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -66,6 +67,29 @@ class Visibility:
     return ok
 
 
+@dataclasses.dataclass(frozen=True)
+class CachedKeys:
+  """Keys and values a cache already holds, read one key tile at a time
+  inside the tile loop, so a long cache is never copied whole: an extend
+  (chunked prefill) over S0 cached slots keeps temporaries bounded by its
+  tiles, not by S0 (WORKSPACE.md "Prefill against prompt length").
+
+  read(start, size) -> (k_BKXH, v_BKXO): slots [start, start + size) in
+    the compute dtype (start traced, start + size <= S0).
+  pos_BS: [B, S0] the slots' stream positions (-1: empty).
+  used: int32 [] or None: slots from `used` on are empty in every row, so
+    the loop stops there (None: all S0).
+  """
+
+  read: Callable
+  pos_BS: jax.Array
+  used: jax.Array | None = None
+
+  @property
+  def length(self) -> int:  # S0
+    return self.pos_BS.shape[1]
+
+
 def use_tiles(T: int, S: int, need_probs: bool, impl: str) -> bool:
   """Whether a T-query call over S' = S keys runs in tiles: a long call
   whose probabilities nobody reads, with the portable implementation."""
@@ -84,21 +108,31 @@ def _pad_to(x, axis: int, multiple: int, value):
 
 def attend(q_BTKGH, k_BKSH, v_BKSO, q_pos_BT, k_pos_BS,
            visibility: Visibility, scale: float, *,
+           cached: CachedKeys | None = None,
            query_tile: int = QUERY_TILE, key_tile: int = KEY_TILE):
   """Masked softmax attention of T queries over S' keys, in tiles.
 
   Args:
     q_BTKGH: queries grouped by the kv head that serves them.
     k_BKSH, v_BKSO: keys and values, heads-first; the T queries are the
-      last T keys' positions (causal tile skipping relies on it).
+      last T keys' positions (causal tile skipping relies on it). None
+      (with k_pos_BS None): every key is in `cached`.
     q_pos_BT, k_pos_BS: stream positions (-1: padding / empty slot).
     visibility: the mask, as a function of positions.
     scale: softmax scale.
+    cached: keys before k_BKSH that a cache holds (an extend): every query
+      tile reads them first, tile by tile (`CachedKeys`); the result is
+      that of attending the concatenation [cached ++ k_BKSH].
     query_tile, key_tile: T' and X.
   Returns:
     out_BTKGO in q's dtype (0 for rows with no visible key).
   """
   B, T, K, G, H = q_BTKGH.shape
+  if k_BKSH is None:
+    if cached is None:
+      raise ValueError("flash.attend: no keys (k_BKSH None and no cached)")
+    k_BKSH, v_BKSO = (x[:, :, :0] for x in cached.read(0, 0))
+    k_pos_BS = cached.pos_BS[:, :0]
   S, O = k_BKSH.shape[2], v_BKSO.shape[-1]
   t, X = min(query_tile, T), key_tile
   f32 = jnp.float32
@@ -107,9 +141,13 @@ def attend(q_BTKGH, k_BKSH, v_BKSO, q_pos_BT, k_pos_BS,
   # whole tiles (position -1: never visible).
   q_BTKGH = _pad_to(q_BTKGH, 1, t, 0)
   q_pos_BT = _pad_to(q_pos_BT, 1, t, cache_lib.EMPTY)
-  k_BKSH = _pad_to(k_BKSH, 2, X, 0)
-  v_BKSO = _pad_to(v_BKSO, 2, X, 0)
-  k_pos_BS = _pad_to(k_pos_BS, 1, X, cache_lib.EMPTY)
+  if S:
+    k_BKSH = _pad_to(k_BKSH, 2, X, 0)
+    v_BKSO = _pad_to(v_BKSO, 2, X, 0)
+    k_pos_BS = _pad_to(k_pos_BS, 1, X, cache_lib.EMPTY)
+  if cached is not None:
+    S0 = cached.length
+    X0 = min(X, S0)  # the cached keys' tile
   nq = q_BTKGH.shape[1] // t
   # [nq, B, K, G·T', H]: each tile's queries as rows of one product per
   # (B, K), as `attention.attend` lays them out.
@@ -119,32 +157,56 @@ def attend(q_BTKGH, k_BKSH, v_BKSO, q_pos_BT, k_pos_BS,
 
   def query_tile_out(i, q_BKqH, q_pos_Bt):
     # Keys a causal mask can show this tile: below S - T + (i + 1) T'.
-    n_keys = jnp.minimum(S - T + (i + 1) * t, S)
+    n_keys = jnp.clip(S - T + (i + 1) * t, 0, S)
     n_key_tiles = (n_keys + X - 1) // X
 
-    def body(j, carry):
+    def update(carry, k_BKXH, v_BKXO, k_pos_BX, fresh_X=None):
+      # One key tile into the running (max, sum, weighted values).
       m_BKGt, l_BKGt, acc_BKGtO = carry
-      k_BKXH = jax.lax.dynamic_slice_in_dim(k_BKSH, j * X, X, axis=2)
-      v_BKXO = jax.lax.dynamic_slice_in_dim(v_BKSO, j * X, X, axis=2)
-      k_pos_BX = jax.lax.dynamic_slice_in_dim(k_pos_BS, j * X, X, axis=1)
+      Xk = k_BKXH.shape[2]
       s_BKGtX = jnp.einsum("BKqH,BKXH->BKqX", q_BKqH, k_BKXH,
                            preferred_element_type=f32).reshape(
-                               B, K, G, t, X) * scale
-      ok_B11tX = visibility.mask(q_pos_Bt, k_pos_BX)[:, None, None]
+                               B, K, G, t, Xk) * scale
+      ok_BtX = visibility.mask(q_pos_Bt, k_pos_BX)
+      if fresh_X is not None:
+        ok_BtX &= fresh_X[None, None, :]
+      ok_B11tX = ok_BtX[:, None, None]
       s_BKGtX = jnp.where(ok_B11tX, s_BKGtX, big_neg)
       m_new = jnp.maximum(m_BKGt, jnp.max(s_BKGtX, axis=-1))
       p_BKGtX = jnp.where(ok_B11tX, jnp.exp(s_BKGtX - m_new[..., None]), 0.0)
       rescale = jnp.exp(m_BKGt - m_new)
       pv_BKqO = jnp.einsum("BKqX,BKXO->BKqO",
-                           p_BKGtX.reshape(B, K, G * t, X).astype(
+                           p_BKGtX.reshape(B, K, G * t, Xk).astype(
                                v_BKXO.dtype), v_BKXO,
                            preferred_element_type=f32)
       acc = acc_BKGtO * rescale[..., None] + pv_BKqO.reshape(B, K, G, t, O)
       return m_new, l_BKGt * rescale + jnp.sum(p_BKGtX, axis=-1), acc
 
+    def body(j, carry):
+      return update(carry,
+                    jax.lax.dynamic_slice_in_dim(k_BKSH, j * X, X, axis=2),
+                    jax.lax.dynamic_slice_in_dim(v_BKSO, j * X, X, axis=2),
+                    jax.lax.dynamic_slice_in_dim(k_pos_BS, j * X, X, axis=1))
+
+    def cached_body(j, carry):
+      # The last tile starts early enough to end at S0; slots an earlier
+      # tile already counted are masked (fresh), so none counts twice.
+      start = jnp.minimum(j * X0, S0 - X0)
+      k_BKXH, v_BKXO = cached.read(start, X0)
+      fresh_X = start + jnp.arange(X0) >= j * X0
+      return update(carry, k_BKXH, v_BKXO,
+                    jax.lax.dynamic_slice_in_dim(cached.pos_BS, start, X0,
+                                                 axis=1), fresh_X)
+
     init = (jnp.full((B, K, G, t), big_neg, f32), jnp.zeros((B, K, G, t), f32),
             jnp.zeros((B, K, G, t, O), f32))
-    _, l_BKGt, acc_BKGtO = jax.lax.fori_loop(0, n_key_tiles, body, init)
+    if cached is not None:
+      n_cached = -(-S0 // X0)
+      if cached.used is not None:
+        n_cached = jnp.clip(-(-cached.used // X0), 0, n_cached)
+      init = jax.lax.fori_loop(0, n_cached, cached_body, init)
+    _, l_BKGt, acc_BKGtO = (jax.lax.fori_loop(0, n_key_tiles, body, init)
+                            if S else init)
     out_BKGtO = acc_BKGtO / jnp.where(l_BKGt > 0, l_BKGt, 1.0)[..., None]
     return jnp.transpose(out_BKGtO, (0, 3, 1, 2, 4))  # [B, T', K, G, O]
 

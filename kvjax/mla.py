@@ -158,26 +158,65 @@ def latent_attend(p, q_nope_BTNP, q_rope_BTNR, c_BSC, r_BSR, mask_B1TS,
 
 
 def tiled_expanded(p, q_nope_BTNP, q_rope_BTNR, c_BSC, r_BSR, step: Step,
-                   scale: float):
+                   scale: float, cached_read=None, cached_pos_BS=None):
   """A long prompt call's attention in tiles (`kvjax.flash`): the latents
   expanded to per-head keys [k_nope | k_rope] and values, each head its
   own kv head (K = N, G = 1).
 
+  c_BSC, r_BSR: the keys' latents and rotary keys, or with `cached_read`
+  only the call's new ones; cached_read(start, size) -> (c [B, size, C],
+  r [B, size, R]) reads the cache's earlier slots (positions
+  cached_pos_BS, a prefix in use) tile by tile, each tile expanded inside
+  the loop, so neither the cache nor its per-head expansion ever exists
+  whole (`cached_latents`).
+
   Returns:
     out_BTNO.
   """
-  k_nope_BSNP, v_BSNO = projections.expand_kv(p, c_BSC)
-  B, S, N, _ = k_nope_BSNP.shape
-  R = r_BSR.shape[-1]
   q_BTN1H = jnp.concatenate([q_nope_BTNP, q_rope_BTNR], axis=-1)[:, :, :,
                                                                  None]
-  k_BSNH = jnp.concatenate(
-      [k_nope_BSNP, jnp.broadcast_to(r_BSR[:, :, None], (B, S, N, R))],
-      axis=-1)
-  out_BTN1O = flash.attend(q_BTN1H, jnp.swapaxes(k_BSNH, 1, 2),
-                           jnp.swapaxes(v_BSNO, 1, 2), step.q_pos,
-                           step.k_pos, step.visibility, scale)
+
+  def expand(c_BXC, r_BXR):  # -> k [B, N, X, P + R], v [B, N, X, O]
+    k_nope_BXNP, v_BXNO = projections.expand_kv(p, c_BXC)
+    B, X, N, _ = k_nope_BXNP.shape
+    k_BXNH = jnp.concatenate(
+        [k_nope_BXNP, jnp.broadcast_to(r_BXR[:, :, None],
+                                       (B, X, N, r_BXR.shape[-1]))], axis=-1)
+    return jnp.swapaxes(k_BXNH, 1, 2), jnp.swapaxes(v_BXNO, 1, 2)
+
+  k_BNSH, v_BNSO = expand(c_BSC, r_BSR)
+  if cached_read is None:
+    out_BTN1O = flash.attend(q_BTN1H, k_BNSH, v_BNSO, step.q_pos, step.k_pos,
+                             step.visibility, scale)
+  else:
+    cached = flash.CachedKeys(lambda start, size: expand(*cached_read(start,
+                                                                      size)),
+                              cached_pos_BS, used=jnp.max(cached_pos_BS) + 1)
+    out_BTN1O = flash.attend(q_BTN1H, k_BNSH, v_BNSO, step.q_pos, step.q_pos,
+                             step.visibility, scale, cached=cached)
   return out_BTN1O[:, :, :, 0]
+
+
+def cached_latents(cache, layer, dtype):
+  """`tiled_expanded`'s cached_read for a stacked `LatentCache`: slots
+  [start, start + size) of one layer, dequantized, read in place inside
+  the tile loop (as `attention.cached_keys`); None for KIVI's grouped
+  latents or another cache kind."""
+  if not isinstance(cache, LatentCache) or cache.policy.channel_keys:
+    return None
+
+  def take(a, start, size):  # a: [L, B, S, ...] -> [B, size, ...]
+    starts = (layer, 0, start) + (0,) * (a.ndim - 3)
+    sizes = (1, a.shape[1], size) + a.shape[3:]
+    return jax.lax.dynamic_slice(a, starts, sizes)[0]
+
+  def read(start, size):
+    c_s, r_s = (None if x is None else take(x, start, size)
+                for x in (cache.c_scale, cache.r_scale))
+    return (quant.dequantize(take(cache.c_kv, start, size), c_s, dtype),
+            quant.dequantize(take(cache.k_rope, start, size), r_s, dtype))
+
+  return read
 
 
 def mla_attention(p, x_BTD, step: Step, cache, layer, config: ModelConfig):
@@ -236,11 +275,22 @@ def mla_attention(p, x_BTD, step: Step, cache, layer, config: ModelConfig):
   mask_B1TS = layer_mask(step, layer)
   need_probs = (compress or step.want_scores or
                 isinstance(cache, ProbeRecord))
+  # A tiled extend of an append-only cache reads the old latents in place
+  # from the written cache (its positions, updated after the last layer,
+  # still show only them), as `attention.gqa_attention` does.
+  cached_read = None
+  if (step.mode == "extend" and not pre_rope and cache.policy.append_only):
+    cached_read = cached_latents(cache, layer, dtype)
   if step.mode != "decode" and tiled(step, T, c_BSC.shape[1], need_probs,
                                      "einsum"):
-    out_BTNO, probs_BNTS = tiled_expanded(p, q_nope_BTNP, q_rope_BTNR, c_BSC,
-                                          r_BSR, step,
-                                          config.softmax_scale), None
+    if cached_read is not None:
+      out_BTNO = tiled_expanded(p, q_nope_BTNP, q_rope_BTNR, c_BTC,
+                                r_rot_BTR, step, config.softmax_scale,
+                                cached_read, cache.positions)
+    else:
+      out_BTNO = tiled_expanded(p, q_nope_BTNP, q_rope_BTNR, c_BSC, r_BSR,
+                                step, config.softmax_scale)
+    probs_BNTS = None
   else:
     out_BTNO, probs_BNTS = latent_attend(p, q_nope_BTNP, q_rope_BTNR, c_BSC,
                                          r_BSR, mask_B1TS,

@@ -65,7 +65,11 @@ def inputs(B=2, T=37, S_old=0, K=2, G=3, H=8, O=8, seed=0, pad=(0, 5)):
 
 POLICIES = dict(none=kvjax.CachePolicy(),
                 window=kvjax.CachePolicy("window"),
-                sinks=kvjax.CachePolicy("sinks", num_sinks=3))
+                sinks=kvjax.CachePolicy("sinks", num_sinks=3),
+                # Append-only caches whose tiles are read and dequantized
+                # in place by a tiled extend (`attention.cached_keys`).
+                int8=kvjax.CachePolicy(kv_dtype="int8"),
+                int4=kvjax.CachePolicy(kv_dtype="int4"))
 
 
 class TiledAttentionTest(parameterized.TestCase):
@@ -86,6 +90,42 @@ class TiledAttentionTest(parameterized.TestCase):
     np.testing.assert_allclose(np.asarray(out), want, atol=2e-5, rtol=2e-5)
     # Padded queries see nothing: exactly 0.
     np.testing.assert_array_equal(np.asarray(out)[1, :5], 0.0)
+
+  @cases.product(key_tile=(7, 16, 64), split=("cached_and_new", "all_cached"),
+                 empty=(0, 9),
+                 slow=lambda key_tile, split, empty: key_tile != 7)
+  def test_cached_keys_read_in_tiles_equal_the_concatenation(
+      self, key_tile, split, empty):
+    # S0 = 30 cached slots (not a multiple of the tile: the last tile is
+    # read early and its overlap masked), the last `empty` of them unused
+    # (position -1, beyond `used`), then the T new keys.
+    S_old, T = 30, 37
+    q, k, v, q_pos, k_pos = inputs(T=T, S_old=S_old, O=5)
+    k_pos = np.asarray(k_pos).copy()
+    if empty:
+      k_pos[:, S_old - empty:S_old] = -1
+    k_pos = jnp.asarray(k_pos)
+    vis = flash.Visibility()
+    want = reference(q, k, v, vis.mask(q_pos, k_pos), 0.3)
+    S0 = S_old if split == "cached_and_new" else S_old + T
+    reads = []
+
+    def read(start, size):
+      reads.append(size)
+      return (jax.lax.dynamic_slice_in_dim(k, start, size, axis=2),
+              jax.lax.dynamic_slice_in_dim(v, start, size, axis=2))
+
+    used = None if not empty else jnp.max(k_pos[:, :S0]) + 1
+    cached = flash.CachedKeys(read, k_pos[:, :S0], used=used)
+    if split == "cached_and_new":
+      out = flash.attend(q, k[:, :, S0:], v[:, :, S0:], q_pos, k_pos[:, S0:],
+                         vis, 0.3, cached=cached, query_tile=8,
+                         key_tile=key_tile)
+    else:
+      out = flash.attend(q, None, None, q_pos, None, vis, 0.3, cached=cached,
+                         query_tile=8, key_tile=key_tile)
+    np.testing.assert_allclose(np.asarray(out), want, atol=2e-5, rtol=2e-5)
+    self.assertLessEqual(max(reads), key_tile)  # never the whole cache
 
   def test_equals_dense_attend(self):
     q, k, v, q_pos, k_pos = inputs(T=50, S_old=30)
@@ -126,16 +166,18 @@ def _jitted(fn, pairs):
 class ModelPathsTest(parameterized.TestCase):
 
   # Fast tier: each attention kind once (GQA with a window, MLA dense).
-  @cases.product(variant=KINDS, policy=("none", "window", "sinks"),
+  @cases.product(variant=KINDS, policy=("none", "window", "sinks", "int8",
+                                         "int4"),
                  slow=lambda variant, policy: (
-                     policy != ("none" if variant == "mla" else "window")))
+                     policy not in (("none", "int8") if variant == "mla" else
+                                    ("window", "int8"))))
   def test_prefill_and_extend_in_tiles_equal_dense(self, variant, policy):
     config, params = tiny(variant), tiny_params(variant)
     B, T, T2 = 2, 40, 12
     tokens = jax.random.randint(jax.random.key(3), (B, T + T2), 0,
                                 config.vocab_size)
     mask = jnp.asarray(np.arange(T)[None] >= np.array([0, 6])[:, None])
-    capacity = T + T2 if policy == "none" else 24
+    capacity = T + T2 if POLICIES[policy].append_only else 24
     pol = POLICIES[policy]
 
     def both(params, tokens, mask):
@@ -191,6 +233,30 @@ class ModelPathsTest(parameterized.TestCase):
     self.assertGreater(dense[1] / dense[0], 3.0, dense)
     self.assertLess(tiled[1], dense[1] / 4, (tiled, dense))
 
+
+  @cases.product(variant=KINDS, slow=lambda variant: variant != "gqa")
+  def test_a_chunk_holds_the_same_memory_however_long_the_cache(self,
+                                                                 variant):
+    # XLA's memory analysis (compile only) of a chunked prefill's last
+    # chunk: the cached keys are read tile by tile in place, so the
+    # temporaries do not grow with the cache (4x the slots here), while
+    # the cache itself (the donated argument) does.
+    config, params = tiny(variant), tiny_params(variant)
+    mem = {S: benchmarking.chunk_memory(params, config, 1, S, 3072)
+           for S in (4096, 16384)}
+    # What grows is per-slot bookkeeping (positions: bytes per slot, not
+    # keys and values), under 1 % of the cache's own growth.
+    grew = mem[16384]["temporaries"] - mem[4096]["temporaries"]
+    cache_grew = mem[16384]["outputs"] - mem[4096]["outputs"]
+    self.assertLess(grew, cache_grew / 100, mem)
+    self.assertGreater(mem[16384]["outputs"], 3 * mem[4096]["outputs"], mem)
+    # A cache read whole (KIVI's grouped keys) still grows, so the check
+    # can tell the two apart.
+    kivi = kvjax.CachePolicy(kv_dtype="int8", key_quant="channel")
+    grown = [benchmarking.chunk_memory(params, config, 1, S, 3072,
+                                       policy=kivi)["temporaries"]
+             for S in (4096, 16384)]
+    self.assertGreater(grown[1] - grown[0], cache_grew / 4, grown)
 
 if __name__ == "__main__":
   absltest.main()

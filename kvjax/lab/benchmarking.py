@@ -1005,6 +1005,27 @@ def prefill_memory(params, config: ModelConfig, batch: int,
                                         path))
 
 
+def chunk_memory(params, config: ModelConfig, batch: int, length: int,
+                 chunk: int, *, policy=None) -> dict[str, int]:
+  """XLA's memory analysis of the last call of a chunked prefill
+  (`kvjax.prefill_chunked`) of [batch, length] tokens: the extend of
+  `chunk` tokens into a cache of `length` slots that holds the first
+  length - chunk (lowered from shapes only). The cache is an argument and
+  an output (donated); temporaries are what the call adds.
+  """
+  if not 0 < chunk < length:
+    raise ValueError(f"chunk must be in (0, length={length}), got {chunk}")
+  from kvjax import model  # pylint: disable=g-import-not-at-top
+  params = packed.for_decode(params, config)
+  cache = jax.eval_shape(lambda: cache_lib.init_cache(config, batch, length,
+                                                      policy=policy))
+  tokens = jax.ShapeDtypeStruct((batch, chunk), jnp.int32)
+  mask = jax.ShapeDtypeStruct((batch, chunk), jnp.bool_)
+  return compiled_memory(jax.jit(
+      lambda p, t, m, c: model.extend_logits(p, config, t, m, c, False),
+      donate_argnums=3).lower(params, tokens, mask, cache))
+
+
 def _lower_prefill(params, config, tokens, mask, cache, path: str | None):
   """The jitted prefill body (last logits, the cache donated) lowered for
   these arguments (arrays or shapes), its attention forced to `path`."""
