@@ -2,11 +2,16 @@ r"""Does a change slow generation down? Two commits, side by side, one run.
 
   python experiments/compare_commits.py --base=604ab8d \
       --presets=gqa-medium,gqa-small --batches=1,8 --workdir=workdir/ab
+  python experiments/compare_commits.py --base=ec12593 \
+      --presets=gqa-medium,mla-medium --batches=1 --prompt_len=8192 \
+      --chunk=2048 --repeats=1 --workdir=workdir/ab_chunked
 
 Checks the base commit out into a temporary git worktree and times
 `kvjax.generate` (random params of each preset, as `init_params` returns
 them: the default path; prompt `--prompt_len`, `--new_tokens` new tokens,
-greedy) in a fresh subprocess per commit and round, alternating base, head,
+greedy; with --chunk, `kvjax.prefill_chunked` of the prompt into a fresh
+cache of --prompt_len slots in chunks of --chunk instead) in a fresh
+subprocess per commit and round, alternating base, head,
 base, head, ... so both see the same load drift. Each subprocess warms up
 (compiles) and then times `--repeats` calls; a round's figure is their
 median. Prints one line per (preset, batch) with the median head/base time
@@ -34,6 +39,9 @@ _PROMPT = flags.DEFINE_integer("prompt_len", 128, "Prompt tokens.",
                                lower_bound=1)
 _NEW = flags.DEFINE_integer("new_tokens", 256, "Generated tokens.",
                             lower_bound=1)
+_CHUNK = flags.DEFINE_integer("chunk", 0, "Time a chunked prefill in chunks "
+                              "of this many tokens (0: generate).",
+                              lower_bound=0)
 _ROUNDS = flags.DEFINE_integer("rounds", 3, "Alternating subprocess rounds.",
                                lower_bound=1)
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed calls per subprocess.",
@@ -48,12 +56,20 @@ import jax, numpy as np
 import kvjax
 from kvjax import configs as cfg_lib
 from configs import model as presets
-preset, batch, prompt, new, repeats = sys.argv[1:6]
+preset, batch, prompt, new, repeats, chunk = sys.argv[1:7]
 config = cfg_lib.model_config(presets.get_config(preset).model)
+if int(prompt) > config.max_seq_len:
+  config = kvjax.ModelConfig.from_dict(dict(config.to_dict(),
+                                            max_seq_len=int(prompt)))
 params = kvjax.init_params(config, jax.random.key(0))
 tokens = np.asarray(jax.random.randint(jax.random.key(1),
                     (int(batch), int(prompt)), 0, config.vocab_size))
-run = lambda: kvjax.generate(params, config, tokens, int(new))
+if int(chunk):
+  run = lambda: kvjax.prefill_chunked(
+      params, config, tokens, kvjax.init_cache(config, int(batch),
+                                               int(prompt)), int(chunk))[0]
+else:
+  run = lambda: kvjax.generate(params, config, tokens, int(new))
 jax.block_until_ready(run())
 ts = []
 for _ in range(int(repeats)):
@@ -66,7 +82,7 @@ print(json.dumps(dict(median_s=statistics.median(ts), times=ts)))
 
 def _probe(tree: str, preset: str, batch: int) -> float:
   return bm.run_probe(tree, _PROBE, preset, batch, _PROMPT.value,
-                      _NEW.value, _REPEATS.value)["median_s"]
+                      _NEW.value, _REPEATS.value, _CHUNK.value)["median_s"]
 
 
 def main(argv):
@@ -92,6 +108,7 @@ def main(argv):
               f"{statistics.median(t['head']):.2f} s)", flush=True)
   result = dict(base=_BASE.value, **bm.revision(head),
                 prompt_len=_PROMPT.value, new_tokens=_NEW.value,
+                chunk=_CHUNK.value,
                 host=bm.machine_info(), rows=rows)
   with open(os.path.join(_WORKDIR.value, "compare_commits.json"), "w") as f:
     json.dump(result, f, indent=1)

@@ -136,6 +136,7 @@ class PrefillScalingTest(absltest.TestCase):
                                         "prefill_scaling.py"),
            "--config=configs/model.py:gqa-tiny", "--lengths=16,64",
            "--memory_lengths=64,4096", "--path_lengths=64", "--repeats=1",
+           "--chunk=1024", "--chunk_memory_lengths=4096,8192",
            f"--workdir={tmp}"],
           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
       self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
@@ -164,6 +165,13 @@ class PrefillScalingTest(absltest.TestCase):
                    compute="float64")
     self.assertIn("cpu", out["host"])
     self.assertIn("64 tokens:", proc.stdout)
+    # The last chunk holds what it held at half the length.
+    chunks = {m["length"]: m for m in out["chunk_memory"]}
+    self.assertEqual(sorted(chunks), [4096, 8192])
+    self.assertGreater(chunks[8192]["outputs"], chunks[4096]["outputs"])
+    self.assertLess(chunks[8192]["temporaries"] - chunks[4096]["temporaries"],
+                    (chunks[8192]["outputs"] - chunks[4096]["outputs"]) / 100)
+    self.assertIn("in chunks of 1024", proc.stdout)
 
 
 @pytest.mark.slow  # a subprocess that compiles four decode loops
