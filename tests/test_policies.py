@@ -31,6 +31,7 @@ from kvjax import cache as cache_lib
 from kvjax import configs as configs_lib
 from kvjax import policies
 from kvjax.tolerance import assert_close
+from tests import cases as cases_lib
 from tests.tiny_models import tiny, tiny_params
 
 T, STEPS, CAPACITY, RECENT = 12, 4, 8, 2
@@ -61,6 +62,16 @@ def _cases():
 
 CASES = _cases()
 SCOPED = [c for c in CASES if c[2].scoped]
+
+
+def _cases_fast_in(fast_variant, cases=CASES):
+  """The cases as `cases.named` ones, those of the other variant in the slow
+  tier: each matrix's fast cases are one variant's, and the four matrices
+  alternate the variant, so the fast tier runs every policy and scope on
+  GQA and on MLA while the full suite runs every pair in every matrix."""
+  return cases_lib.named(
+      [dict(testcase_name=name, variant=v, policy=p) for name, v, p in cases],
+      slow=lambda variant, policy: variant != fast_variant)
 
 
 def _tokens(config, shape, seed=1):
@@ -175,7 +186,7 @@ def _generate(variant, policy, capacity, prompt, steps=STEPS):
 class RoomyTest(parameterized.TestCase):
   """A budget that holds every token changes nothing."""
 
-  @parameterized.named_parameters(*CASES)
+  @_cases_fast_in("gqa")
   def test_equals_no_eviction(self, variant, policy):
     config, params = tiny(variant), tiny_params(variant)
     prompt = _tokens(config, (2, 6))
@@ -209,7 +220,7 @@ def _kept(positions_LBKS, exclude: int | None = None):
 
 class CompressedPrefillTest(parameterized.TestCase):
 
-  @parameterized.named_parameters(*SCOPED)
+  @_cases_fast_in("mla", SCOPED)
   def test_decode_equals_masked_full_prompt(self, variant, policy):
     """Compressed storage holds the kept tokens' exact K/V: the next step
     equals a step over the whole prompt masked to the kept tokens."""
@@ -240,7 +251,7 @@ class CompressedPrefillTest(parameterized.TestCase):
     want, _ = kvjax.decode_step(params, config, x, ref)
     assert_close(got, want, config)
 
-  @parameterized.named_parameters(*SCOPED)
+  @_cases_fast_in("gqa", SCOPED)
   def test_kept_tokens_follow_the_rule(self, variant, policy):
     """Kept set = the policy's rule (numpy) on its uncompressed scores."""
     config, params = tiny(variant), tiny_params(variant)
@@ -290,7 +301,7 @@ def _adakv_numpy(key_KT, policy, capacity):
 
 class DecodeEvictionTest(parameterized.TestCase):
 
-  @parameterized.named_parameters(*CASES)
+  @_cases_fast_in("mla")
   def test_generate_streams_past_capacity(self, variant, policy):
     """generate (jit, lax.scan) runs every policy past its capacity with no
     error, the decode victims obey the rule, and kept counts stay within
