@@ -274,6 +274,14 @@ def read_kv(cache: cache_lib.KVCache, layer, dtype, prefix: int = 0):
   return quant.dequantize(cache.k[layer, :, :, :S], k_scale, dtype), v_BKSH
 
 
+def extends_in_place(step: Step, cache) -> bool:
+  """Whether this call is an extend whose old keys can be read from the
+  cache it has just written: an append-only cache (the write hides no old
+  token) storing rotated keys (positions 'original')."""
+  return (step.mode == "extend" and cache.policy.append_only and
+          cache.policy.positions != "cache")
+
+
 def cached_keys(cache, layer, dtype, pos_BS) -> flash.CachedKeys | None:
   """One layer's cached keys and values (slot positions `pos_BS`) as
   tiles read in place from the stacked arrays (`flash.CachedKeys`): a
@@ -287,16 +295,12 @@ def cached_keys(cache, layer, dtype, pos_BS) -> flash.CachedKeys | None:
   if not isinstance(cache, cache_lib.KVCache) or cache.policy.channel_keys:
     return None
 
-  def take(a, start, size):  # a: [L, B, K, S, ...] -> [B, K, size, ...]
-    starts = (layer, 0, 0, start) + (0,) * (a.ndim - 4)
-    sizes = (1,) + a.shape[1:3] + (size,) + a.shape[4:]
-    return jax.lax.dynamic_slice(a, starts, sizes)[0]
-
   def read(start, size):
-    scales = [None if x is None else take(x, start, size)
-              for x in (cache.k_scale, cache.v_scale)]
-    return (quant.dequantize(take(cache.k, start, size), scales[0], dtype),
-            quant.dequantize(take(cache.v, start, size), scales[1], dtype))
+    k, v, k_s, v_s = (None if x is None else
+                      cache_lib.read_slots(x, layer, start, size, 3)
+                      for x in (cache.k, cache.v, cache.k_scale,
+                                cache.v_scale))
+    return (quant.dequantize(k, k_s, dtype), quant.dequantize(v, v_s, dtype))
 
   # Append-only: slot = position, so the used slots are a prefix.
   return flash.CachedKeys(read, pos_BS, used=jnp.max(pos_BS) + 1)
@@ -498,7 +502,7 @@ def gqa_attention(p, x_BTD, step: Step, cache, layer, config: ModelConfig):
   # the cache it just wrote (`cached_keys`), so no layer is copied whole;
   # otherwise it attends the concatenation (when unused, XLA drops it).
   cached = None
-  if (step.mode == "extend" and not pre_rope and cache.policy.append_only):
+  if extends_in_place(step, cache):
     # The old slots of the written cache: an append-only write leaves them
     # as they were, and the cache's positions (updated after the last
     # layer) still show only them. The new keys are attended as computed

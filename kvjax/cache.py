@@ -423,6 +423,19 @@ def scope_heads(config: ModelConfig, policy: CachePolicy) -> int:
 
 
 # ---- writes -----------------------------------------------------------------
+def read_slots(arr, layer, start, size: int, slot_axis: int):
+  """Slots [start, start + size) of one layer of a stacked cache array
+  (layers on axis 0, slots on `slot_axis`), as [...] without the layer
+  axis. One dynamic slice of the whole array: inside a loop XLA reads it
+  in place, where a layer slice taken before the loop is a copy of the
+  layer (`flash.CachedKeys`)."""
+  starts = [0] * arr.ndim
+  starts[0], starts[slot_axis] = layer, start
+  sizes = list(arr.shape)
+  sizes[0], sizes[slot_axis] = 1, size
+  return jax.lax.dynamic_slice(arr, starts, sizes)[0]
+
+
 def scatter_tokens(arr, layer, slots_BT, new_BT, slot_axis):
   """arr[layer, b, ..., slots[b, t], ...] = new[b, t] (slot = S: dropped).
 

@@ -25,10 +25,10 @@ from kvjax import kivi
 from kvjax import projections
 from kvjax import quant
 from kvjax.attention import (DecodeCache, ProbeRecord, Step, compress_prompt,
-                             decode_cache, layer_mask, layer_slots,
-                             observe_scores, query_tiles,
+                             decode_cache, extends_in_place, layer_mask,
+                             layer_slots, observe_scores, query_tiles,
                              register_decode_cache, tiled)
-from kvjax.cache import LatentCache, scatter_tokens
+from kvjax.cache import LatentCache, read_slots, scatter_tokens
 from kvjax.config import ModelConfig
 from kvjax.layers import apply_rope, rms_norm
 
@@ -205,16 +205,12 @@ def cached_latents(cache, layer, dtype):
   if not isinstance(cache, LatentCache) or cache.policy.channel_keys:
     return None
 
-  def take(a, start, size):  # a: [L, B, S, ...] -> [B, size, ...]
-    starts = (layer, 0, start) + (0,) * (a.ndim - 3)
-    sizes = (1, a.shape[1], size) + a.shape[3:]
-    return jax.lax.dynamic_slice(a, starts, sizes)[0]
-
   def read(start, size):
-    c_s, r_s = (None if x is None else take(x, start, size)
-                for x in (cache.c_scale, cache.r_scale))
-    return (quant.dequantize(take(cache.c_kv, start, size), c_s, dtype),
-            quant.dequantize(take(cache.k_rope, start, size), r_s, dtype))
+    c, r, c_s, r_s = (None if x is None else
+                      read_slots(x, layer, start, size, 2)
+                      for x in (cache.c_kv, cache.k_rope, cache.c_scale,
+                                cache.r_scale))
+    return (quant.dequantize(c, c_s, dtype), quant.dequantize(r, r_s, dtype))
 
   return read
 
@@ -279,7 +275,7 @@ def mla_attention(p, x_BTD, step: Step, cache, layer, config: ModelConfig):
   # from the written cache (its positions, updated after the last layer,
   # still show only them), as `attention.gqa_attention` does.
   cached_read = None
-  if (step.mode == "extend" and not pre_rope and cache.policy.append_only):
+  if extends_in_place(step, cache):
     cached_read = cached_latents(cache, layer, dtype)
   if step.mode != "decode" and tiled(step, T, c_BSC.shape[1], need_probs,
                                      "einsum"):

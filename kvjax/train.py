@@ -103,9 +103,7 @@ class TrainConfig:
       raise ValueError(f"lr must be > 0, got {self.lr}")
     if not 0 <= self.min_lr_ratio <= 1:
       raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-    if self.matmul_dtype not in MATMUL_DTYPES:
-      raise ValueError(f"matmul_dtype must be one of {MATMUL_DTYPES}, got "
-                       f"{self.matmul_dtype!r}")
+    _check_matmul_dtype(self.matmul_dtype)
     if self.warmup_steps >= self.num_steps:
       raise ValueError(f"warmup_steps={self.warmup_steps} must be < "
                        f"num_steps={self.num_steps}")
@@ -124,6 +122,12 @@ class TrainConfig:
     return self.batch_size * self.seq_len
 
 
+def _check_matmul_dtype(matmul_dtype: str) -> None:
+  if matmul_dtype not in MATMUL_DTYPES:
+    raise ValueError(f"matmul_dtype must be one of {MATMUL_DTYPES}, got "
+                     f"{matmul_dtype!r}")
+
+
 # ----------------------------------------------------------------------------
 # Model glue.
 
@@ -132,9 +136,7 @@ def model_logits_fn(model_config, matmul_dtype: str = "float32") -> LogitsFn:
   """`logits_fn` for a kvjax model: (params, tokens [B,T]) -> logits [B,T,V];
   with matmul_dtype 'bfloat16' its products run on bfloat16 operands with
   float32 accumulation (`mixed_precision.bf16_matmuls`)."""
-  if matmul_dtype not in MATMUL_DTYPES:
-    raise ValueError(f"matmul_dtype must be one of {MATMUL_DTYPES}, got "
-                     f"{matmul_dtype!r}")
+  _check_matmul_dtype(matmul_dtype)
 
   def logits_fn(params, tokens_BT):
     # The training layout is chosen inside the step (`packed.for_training`):
