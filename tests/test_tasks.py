@@ -790,18 +790,21 @@ class TrainTest(absltest.TestCase):
 
 
 @pytest.mark.slow
-class ShippedTaskModelTest(absltest.TestCase):
+class ShippedTaskModelTest(parameterized.TestCase):
 
-  def test_retrieves_the_needle_at_every_depth_through_the_full_cache(self):
-    # checkpoints/tasks-gqa-passkey (policy_eval.py's default model) finds a
-    # pass key anywhere in a 256-byte prompt (fresh seeds, not the
-    # validation rows); a random model scores 0. A window of half the
-    # prompt loses the early needles.
+  @parameterized.parameters("gqa", "mqa")
+  def test_retrieves_the_needle_at_every_depth_through_the_full_cache(
+      self, variant):
+    # checkpoints/tasks-<variant>-passkey (gqa: policy_eval.py's default
+    # model) finds a pass key anywhere in a 256-byte prompt (fresh seeds,
+    # not the validation rows); a random model scores 0. A window of half
+    # the prompt loses the early needles.
     import os  # pylint: disable=g-import-not-at-top
     from kvjax import orbax_checkpoint  # pylint: disable=g-import-not-at-top
     root = os.path.join(os.path.dirname(__file__), "..")
     config, params = orbax_checkpoint.restore_params(
-        os.path.join(root, "checkpoints", "tasks-gqa-passkey"))
+        os.path.join(root, "checkpoints", f"tasks-{variant}-passkey"))
+    self.assertEqual(config.variant, variant)
     exs = tasks.task_set("passkey", [256], [0.0, 0.5, 1.0], 4, seed=123)
     full = task_eval.evaluate(params, config, exs,
                               task_eval.parse_policy("full"), 1.0)
