@@ -39,8 +39,11 @@ What made passkey learnable is the span filler: with the short-period
 `passkey_repeat` filler in its place (copying over a few dozen bytes only)
 validation exact match stalled at 0.67 after 6,600 updates, retrieving late
 needles only; with the span filler it jumps from 0.03 to 1.0 between
-updates 2,500 and 2,900 (GQA); in the same 4000 updates MQA reaches 0.59,
-MHA 0.55 and MLA 0.03. What each variant reaches: WORKSPACE.md
+updates 2,500 and 2,900 (GQA). The other variants make the same jump
+later, at an update that depends on the seed: MQA (seed 0, 6,000 updates)
+ends at 0.98, MHA at 1.0 with seed 1 (6,000 updates) but 0.08 with seed 0
+after 8,000, MLA at 0.95 after 12,000 (on the validation rows; at the full
+T = 256 it misses most needles at depth 0). What each variant reaches: WORKSPACE.md
 ("Long-context tasks through a bounded cache"); on gqa-mqar the recipe does
 not learn (validation answers flat at chance through 2,100 updates: the
 same section).
