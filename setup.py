@@ -7,6 +7,9 @@ setuptools.setup(
     version="0.1.0",
     description="Functional JAX/Flax LLM inference with explicit, measurable KV caches.",
     packages=setuptools.find_packages(include=["kvjax", "kvjax.*", "configs"]),
+    # The CPU decode-attention kernel's source, built on first use
+    # (`kvjax.native_attention`; needs a C++ compiler, else the XLA path).
+    package_data={"kvjax": ["native/*.cc"]},
     python_requires=">=3.10",
     install_requires=[
         "jax>=0.4.35",

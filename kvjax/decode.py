@@ -36,16 +36,19 @@ from kvjax import cache as cache_lib
 from kvjax import layered
 from kvjax import layered_latent
 from kvjax import model
+from kvjax import native_attention
+from kvjax import native_layered
 from kvjax import projections
 from kvjax.config import ModelConfig
 
 ATTEND_MIN = 128  # smallest attention prefix a decode segment uses
-DECODE_LAYOUTS = ("auto", "stacked", "blocked", "layered")
+DECODE_LAYOUTS = ("auto", "stacked", "blocked", "layered", "native")
 # Segment views per (layout, attention): modules with supports / from_cache /
 # into_cache and a registered decode cache kind
 # (`attention.register_decode_cache`).
 _VIEWS = {("blocked", "gqa"): blocked, ("layered", "gqa"): layered,
-          ("layered", "mla"): layered_latent}
+          ("layered", "mla"): layered_latent,
+          ("native", "gqa"): native_layered}
 # 'auto' reads float caches layered from this batch on: at batch 1 a float
 # per-layer array measured 0.5x the stacked step (gqa-small, 8192 slots).
 LAYERED_MIN_BATCH = 4
@@ -187,6 +190,8 @@ def plan(params, config: ModelConfig, policy: cache_lib.CachePolicy,
     return Plan(schedule, decode_layout)
   if platform(params) != "cpu":
     return Plan(schedule)
+  if not _why_not("native", schedule, params, config, policy):
+    return Plan(schedule, "native")
   if _why_not("layered", schedule, params, config, policy):
     return Plan(schedule)
   if policy.quantized:
@@ -213,11 +218,16 @@ def _why_not(layout: str, schedule, params, config: ModelConfig,
   if layout == "blocked" and policy.quantized:
     return f"kv_dtype={policy.kv_dtype!r} (quantized scales are not blocked)"
   dtypes = (layered_latent.LAYERED_LATENT_DTYPES
-            if config.attention == "mla" else layered.LAYERED_DTYPES)
-  if layout == "layered" and (policy.kv_dtype not in dtypes
-                              or policy.channel_keys):
+            if config.attention == "mla" else
+            native_layered.NATIVE_DTYPES if layout == "native" else
+            layered.LAYERED_DTYPES)
+  if layout in ("layered", "native") and (policy.kv_dtype not in dtypes
+                                          or policy.channel_keys):
     return (f"kv_dtype={policy.kv_dtype!r}, key_quant={policy.key_quant!r} "
             f"(layered: {dtypes}, per-token keys)")
+  if layout == "native" and not native_attention.available():
+    return ("the native decode-attention kernel did not build on this host "
+            "(or KVJAX_NATIVE=0)")
   if not projections.is_packed(params):
     return ("stacked layer params reach the cache by a traced layer index; "
             "per-layer arrays need the decode layout (`kvjax.pack`)")

@@ -40,7 +40,7 @@ WINDOW, SINKS = 8, 4  # positional policies evict: 18 tokens in 8 slots
 VARIANTS = ("mha", "mqa", "gqa", "mla")
 POLICIES = ("none", "window", "sinks", "h2o", "snapkv", "pyramid")
 KV = ("float32", "bfloat16", "int8", "int8-kivi", "int4-kivi")
-CACHE_LAYOUTS = ("stacked", "blocked", "layered")
+CACHE_LAYOUTS = ("stacked", "blocked", "layered", "native")
 PARAMS = ("canonical", "packed")
 AXES = dict(variant=VARIANTS, policy=POLICIES, kv=KV, layout=CACHE_LAYOUTS,
             params=PARAMS)
@@ -56,6 +56,10 @@ def valid(variant, policy, kv, layout, params) -> bool:
       policy == "none" and params == "packed" and kv in ("float32",
                                                          "bfloat16", "int8")):
     return False  # decode.plan: per-token storage, segments, per-layer
+  if layout == "native" and not (
+      variant != "mla" and policy == "none" and params == "packed" and
+      kv in ("float32", "bfloat16", "int8")):
+    return False  # the kernel: GQA family, per-token storage, segments
   if kv.endswith("-kivi") and policy != "none":
     return False  # KIVI: eviction 'none' only
   if policy == "snapkv" and variant == "mla":

@@ -10,11 +10,13 @@ For int8 caches the integer attention equals a float64 reference over the
 dequantized cache within int8's storage tolerance, and slots it masks
 contribute exactly nothing whatever they hold; teacher-forced decode
 through an int8 or int4 cache writes the stacked cache's codes in layer 0
-and its values within the storage tolerance after it. 'auto' reads int8
-and int4 caches layered at every batch and float caches layered in long
-segments of batched decode; where 'layered' cannot run it raises naming
-the reason.
+and its values within the storage tolerance after it. Where the native
+kernel is not built, 'auto' reads int8 and int4 caches layered at every
+batch and float caches layered in long segments of batched decode; where
+'layered' cannot run it raises naming the reason.
 """
+
+from unittest import mock
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -29,6 +31,7 @@ from kvjax import cache as cache_lib
 from kvjax import decode
 from kvjax import inference
 from kvjax import layered
+from kvjax import native_attention
 from kvjax import quant
 from kvjax.lab import streaming
 from kvjax.tolerance import assert_close
@@ -269,6 +272,14 @@ class GenerateTest(parameterized.TestCase):
 
 
 class PlanTest(parameterized.TestCase):
+  """'auto' where the native kernel is not built (`decode.plan` prefers it
+  wherever it runs: tests/test_native_attention.py): the XLA views."""
+
+  def setUp(self):
+    super().setUp()
+    patch = mock.patch.object(native_attention, "available", lambda: False)
+    patch.start()
+    self.addCleanup(patch.stop)
 
   def _plan(self, kind="gqa", batch=8, dtype="float32", layout="packed",
             decode_layout="auto", prompt=32, steps=200, capacity=8192,

@@ -1,0 +1,190 @@
+"""The CPU decode-attention kernel (`kvjax/native/decode_attention.cc`) as
+a JAX primitive: an XLA FFI custom call, built on first use.
+
+  out_BKGE = decode_attend(q_BKGD, k_BKDS, v, mask_BS, scale,
+                           k_scale_BKS=None, v_scale_BKS=None)
+
+Dimension alphabet (`kvjax.config`): B batch, K kv heads, G query heads per
+kv head, S cache slots, D key width, E value width (both H for the GQA
+family).
+
+  keys    [B, K, D, S] (transposed, as `kvjax.layered` stores them):
+          float32, bfloat16 bits (uint16, `kvjax.quant`), or int8 codes
+          with per-token float32 scales [B, K, S]
+  values  float32 or bfloat16 bits [B, K, S, E]; int8 codes transposed
+          [B, K, E, S] with per-token scales [B, K, S]
+  mask    bool [B, S], True where a slot may be attended
+
+Semantics are `attention.decode_softmax_values`' in float32: logits =
+scale · q · k, masked slots at the lowest float before the softmax (a
+fully masked row averages its values), then the values' weighted sum.
+Unlike `layered.int8_attend` it does not round the query or the
+probabilities to int8: int8 caches are read as codes and converted in
+registers.
+
+Why a kernel (the numbers: WORKSPACE.md "Quantized caches, and the
+cache-dominated regime"): XLA:CPU runs a decode step's per-(sequence, head)
+products, a few query rows against thousands of cached slots, far below
+the rate at which the cache can be read, and converts a bfloat16 cache to
+float32 in a separate pass before its dots, so a bfloat16 cache was slower
+than a float32 one. The kernel reads every cached key and value once, as
+stored, with the softmax online, on XLA's own intra-op threads.
+
+The build: `g++ -O3 -march=native` (the host's vector units) into
+$KVJAX_NATIVE_DIR (default ~/.cache/kvjax/native), named by a hash of the
+source, the flags, the compiler and the CPU, so a changed source or another
+host builds anew. `available()` is False, with one logged warning, where no
+compiler or no jaxlib FFI headers are found, and when KVJAX_NATIVE=0; the
+decode loop then reads the XLA path (`kvjax.decode.plan`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import tempfile
+
+from absl import logging
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax import quant
+
+SOURCE = pathlib.Path(__file__).parent / "native" / "decode_attention.cc"
+TARGET = "kvjax_decode_attention"
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
+KEY_DTYPES = (jnp.dtype(jnp.float32), quant.BF16_BITS, jnp.dtype(jnp.int8))
+
+
+def _cpu_id() -> str:
+  """What -march=native compiles for: the CPU model and its flags."""
+  try:
+    with open("/proc/cpuinfo") as f:
+      lines = [l for l in f if l.startswith(("model name", "flags"))]
+    return "".join(sorted(set(lines)))
+  except OSError:
+    return platform.processor()
+
+
+def _build_dir() -> pathlib.Path:
+  return pathlib.Path(os.environ.get(
+      "KVJAX_NATIVE_DIR", pathlib.Path.home() / ".cache" / "kvjax" / "native"))
+
+
+def _compiler() -> str | None:
+  return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
+def library_path() -> pathlib.Path:
+  """Where the built kernel for this source, compiler and CPU lies."""
+  cxx = _compiler() or ""
+  key = hashlib.sha256(b"\0".join([
+      SOURCE.read_bytes(), " ".join(FLAGS).encode(), cxx.encode(),
+      _cpu_id().encode(), jax.ffi.include_dir().encode()])).hexdigest()[:16]
+  return _build_dir() / f"decode_attention-{key}.so"
+
+
+def build() -> pathlib.Path:
+  """Compiles the kernel unless this source is built for this host already.
+
+  Raises:
+    RuntimeError: no C++ compiler, or the compiler's error output.
+  """
+  path = library_path()
+  if path.exists():
+    return path
+  cxx = _compiler()
+  if cxx is None:
+    raise RuntimeError("no C++ compiler (set CXX or install g++)")
+  path.parent.mkdir(parents=True, exist_ok=True)
+  # Built beside its final name and renamed: concurrent builds (test
+  # workers) never load a half-written file.
+  with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+    out = pathlib.Path(tmp) / path.name
+    cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o",
+           str(out)]
+    run = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if run.returncode:
+      raise RuntimeError(f"{' '.join(cmd)} failed:\n{run.stderr[-4000:]}")
+    os.replace(out, path)
+  return path
+
+
+@functools.lru_cache(maxsize=None)
+def available() -> bool:
+  """Whether the kernel is built and registered for the CPU (builds it on
+  the first call; False with KVJAX_NATIVE=0, or when the build fails)."""
+  if os.environ.get("KVJAX_NATIVE", "1") == "0":
+    return False
+  try:
+    lib = ctypes.cdll.LoadLibrary(str(build()))
+    jax.ffi.register_ffi_target(
+        TARGET, jax.ffi.pycapsule(lib.KvjaxDecodeAttention), platform="cpu")
+  except (RuntimeError, OSError) as e:
+    logging.warning("kvjax native decode attention unavailable, the XLA "
+                    "path runs instead: %s", e)
+    return False
+  return True
+
+
+def supports(k_dtype, v_dtype, mask_heads: int) -> str | None:
+  """Why the kernel cannot attend these operands (None when it can)."""
+  k_dtype, v_dtype = jnp.dtype(k_dtype), jnp.dtype(v_dtype)
+  if k_dtype not in KEY_DTYPES or v_dtype != k_dtype:
+    return (f"keys {k_dtype} / values {v_dtype}: the kernel reads float32, "
+            "bfloat16 bits or int8 codes, the same for both")
+  if mask_heads != 1:
+    return "a per-head mask (scoped eviction)"
+  return None
+
+
+def decode_attend(q_BKGD, k_BKDS, v, mask_BS, scale: float,
+                  k_scale_BKS=None, v_scale_BKS=None):
+  """Decode attention of one query token per sequence (module docstring).
+
+  Args:
+    q_BKGD: queries (cast to float32).
+    k_BKDS: keys transposed; float32, uint16 bfloat16 bits or int8 codes.
+    v: values, [B, K, S, E] float32 / bfloat16 bits, or int8 codes [B, K,
+      E, S].
+    mask_BS: bool, True where a slot may be attended.
+    scale: softmax scale.
+    k_scale_BKS, v_scale_BKS: float32 per-token scales (int8 codes only).
+  Returns:
+    out_BKGE float32.
+  Raises:
+    ValueError: shapes or dtypes the kernel does not take.
+  """
+  B, K, G, D = q_BKGD.shape
+  S = k_BKDS.shape[3]
+  why = supports(k_BKDS.dtype, v.dtype, 1)
+  if why:
+    raise ValueError(f"decode_attend: {why}")
+  int8 = k_BKDS.dtype == jnp.int8
+  if (k_scale_BKS is None) == int8 or (v_scale_BKS is None) == int8:
+    raise ValueError("decode_attend: per-token scales go with int8 codes, "
+                     "and only with them")
+  E = v.shape[2] if int8 else v.shape[3]
+  want_v = (B, K, E, S) if int8 else (B, K, S, E)
+  if k_BKDS.shape != (B, K, D, S) or v.shape != want_v:
+    raise ValueError(f"decode_attend: keys {k_BKDS.shape} (want "
+                     f"{(B, K, D, S)}), values {v.shape} (want {want_v})")
+  if mask_BS.shape != (B, S):
+    raise ValueError(f"decode_attend: mask {mask_BS.shape}, want {(B, S)}")
+  empty = jnp.zeros((0,), jnp.float32)
+  call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((B, K, G, E),
+                                                       jnp.float32),
+                          vmap_method="sequential")
+  return call(q_BKGD.astype(jnp.float32), k_BKDS,
+              empty if k_scale_BKS is None else
+              k_scale_BKS.astype(jnp.float32), v,
+              empty if v_scale_BKS is None else
+              v_scale_BKS.astype(jnp.float32), mask_BS.astype(jnp.bool_),
+              scale=np.float32(scale))

@@ -1,0 +1,252 @@
+"""The native CPU decode-attention kernel (`kvjax.native_attention`) and the
+decode view that reads it (`kvjax.native_layered`).
+
+The kernel equals a float64 reference of masked softmax attention over the
+dequantized cache, for every storage form it reads, every query-group
+width (register tiles of 1-4 rows and their remainders), slot counts that
+are and are not multiples of its 16-slot tiles and 128-slot blocks, slot
+chunks split across threads (batch 1), random masks and fully masked rows
+(which average their values, as the XLA path does). Bad operands raise
+before any compute. The 'native' layout gives `generate` the stacked
+path's tokens and logits, and 'auto' picks it wherever it can run.
+"""
+
+import os
+import subprocess
+import sys
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import kvjax
+from kvjax import cache as cache_lib
+from kvjax import decode
+from kvjax import native_attention
+from kvjax import native_layered
+from kvjax import quant
+from kvjax.tolerance import assert_close
+import cases  # pylint: disable=g-bad-import-order
+from tiny_models import tiny, tiny_params  # pylint: disable=g-bad-import-order
+
+FORMS = ("float32", "bfloat16", "int8")
+
+
+def operands(form, B, K, G, D, E, S, seed=0):
+  """Random queries and a cache in `form` (kernel layouts), and the float64
+  keys [B, K, S, D] and values [B, K, S, E] they stand for."""
+  rng = np.random.default_rng(seed)
+  q = rng.standard_normal((B, K, G, D)).astype(np.float32)
+  k = rng.standard_normal((B, K, S, D)).astype(np.float32)
+  v = rng.standard_normal((B, K, S, E)).astype(np.float32)
+  if form == "int8":
+    kc, ks = quant.quantize(jnp.asarray(k), jnp.int8)
+    vc, vs = quant.quantize(jnp.asarray(v), jnp.int8)
+    k64 = np.asarray(kc, np.float64) * np.asarray(ks, np.float64)[..., None]
+    v64 = np.asarray(vc, np.float64) * np.asarray(vs, np.float64)[..., None]
+    return (q, jnp.swapaxes(kc, -1, -2), jnp.swapaxes(vc, -1, -2), ks, vs,
+            k64, v64)
+  if form == "bfloat16":
+    kb = quant.quantize(jnp.asarray(k), quant.BF16_BITS)[0]
+    vb = quant.quantize(jnp.asarray(v), quant.BF16_BITS)[0]
+    k64 = np.asarray(quant.dequantize(kb, None, jnp.float32), np.float64)
+    v64 = np.asarray(quant.dequantize(vb, None, jnp.float32), np.float64)
+    return q, jnp.swapaxes(kb, -1, -2), vb, None, None, k64, v64
+  return (q, jnp.swapaxes(jnp.asarray(k), -1, -2), jnp.asarray(v), None,
+          None, k.astype(np.float64), v.astype(np.float64))
+
+
+def reference(q, k64, v64, mask_BS, scale):
+  """float64 masked softmax attention; a fully masked row averages."""
+  logits = np.einsum("bkgd,bksd->bkgs", q.astype(np.float64), k64) * scale
+  logits = np.where(mask_BS[:, None, None], logits, -np.inf)
+  full = ~mask_BS.any(axis=1)
+  logits[full] = 0.0  # every slot masked: equal weights
+  p = np.exp(logits - logits.max(axis=-1, keepdims=True))
+  p /= p.sum(axis=-1, keepdims=True)
+  return np.einsum("bkgs,bkse->bkge", p, v64)
+
+
+class KernelTest(parameterized.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    if not native_attention.available():
+      self.fail("the native kernel did not build: " +
+                str(native_attention.library_path()))
+
+  @cases.product(form=FORMS, G=(1, 2, 3, 4, 5, 8), S=(1, 17, 300, 2048))
+  def test_equals_a_float64_reference(self, form, G, S):
+    B, K, D, E = 3, 2, 32, 32
+    q, k, v, ks, vs, k64, v64 = operands(form, B, K, G, D, E, S, seed=G + S)
+    rng = np.random.default_rng(S)
+    mask = rng.random((B, S)) < 0.7
+    mask[1] = False  # a fully masked row
+    mask[2, -1] = True
+    scale = D ** -0.5
+    out = native_attention.decode_attend(q, k, v, jnp.asarray(mask), scale,
+                                         ks, vs)
+    want = reference(q, k64, v64, mask, scale)
+    np.testing.assert_allclose(np.asarray(out), want, rtol=2e-5, atol=2e-5)
+
+  @cases.product(form=FORMS)
+  def test_widths_off_the_register_tiles(self, form):
+    # D and E not multiples of 16 (tail channels), batch 1 (slot chunks
+    # split across threads and combined), slots past several blocks.
+    B, K, G, D, E, S = 1, 1, 3, 40, 24, 4100
+    q, k, v, ks, vs, k64, v64 = operands(form, B, K, G, D, E, S)
+    mask = np.arange(S)[None] < 3000
+    out = native_attention.decode_attend(q, k, v, jnp.asarray(mask), 0.3,
+                                         ks, vs)
+    np.testing.assert_allclose(np.asarray(out),
+                               reference(q, k64, v64, mask, 0.3),
+                               rtol=2e-5, atol=2e-5)
+
+  def test_masked_slots_contribute_nothing(self):
+    # Huge values behind the mask change nothing.
+    B, K, G, D, S = 2, 2, 4, 32, 256
+    q, k, v, _, _, _, _ = operands("float32", B, K, G, D, D, S)
+    mask = np.arange(S)[None].repeat(B, 0) < 100
+    poisoned = v.at[:, :, 100:].set(1e30)
+    a = native_attention.decode_attend(q, k, v, jnp.asarray(mask), 0.2)
+    b = native_attention.decode_attend(q, k, poisoned, jnp.asarray(mask), 0.2)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+  def test_runs_under_jit_and_scan(self):
+    B, K, G, D, S = 2, 2, 4, 32, 256
+    q, k, v, _, _, k64, v64 = operands("float32", B, K, G, D, D, S)
+    mask = jnp.ones((B, S), bool)
+
+    @jax.jit
+    def steps(q):
+      def body(q, _):
+        out = native_attention.decode_attend(q, k, v, mask, 0.2)
+        return q, out
+      return jax.lax.scan(body, q, None, length=3)[1]
+
+    out = steps(q)
+    want = reference(q, k64, v64, np.asarray(mask), 0.2)
+    for i in range(3):
+      np.testing.assert_allclose(np.asarray(out[i]), want, rtol=2e-5,
+                                 atol=2e-5)
+
+  @parameterized.named_parameters(
+      ("float16", "float16", "float32, bfloat16 bits or int8"),
+      ("mixed", "mixed", "the same for both"),
+      ("scales_on_floats", "float_scales", "per-token scales"),
+      ("no_scales_on_int8", "int8_no_scales", "per-token scales"),
+      ("mask", "mask", "mask"),
+      ("keys", "keys", "keys"),
+  )
+  def test_bad_operands_are_refused_before_compute(self, form, match):
+    B, K, G, D, S = 2, 2, 4, 32, 64
+    q, k, v, ks, vs, _, _ = operands("int8", B, K, G, D, D, S)
+    fk, fv = jnp.zeros((B, K, D, S)), jnp.zeros((B, K, S, D))
+    mask = jnp.ones((B, S), bool)
+    call = {
+        "float16": lambda: native_attention.decode_attend(
+            q, fk.astype(jnp.float16), fv.astype(jnp.float16), mask, 1.0),
+        "mixed": lambda: native_attention.decode_attend(q, fk, v, mask, 1.0),
+        "float_scales": lambda: native_attention.decode_attend(
+            q, fk, fv, mask, 1.0, ks, vs),
+        "int8_no_scales": lambda: native_attention.decode_attend(
+            q, k, v, mask, 1.0),
+        "mask": lambda: native_attention.decode_attend(
+            q, k, v, mask[:, :10], 1.0, ks, vs),
+        "keys": lambda: native_attention.decode_attend(
+            q, fk[:, :, :16], fv, mask, 1.0),
+    }[form]
+    with self.assertRaisesRegex(ValueError, match):
+      call()
+
+  def test_the_build_is_named_by_source_and_host(self):
+    path = native_attention.library_path()
+    self.assertTrue(path.exists(), path)
+    self.assertEqual(native_attention.build(), path)  # built once
+
+
+class NativeViewTest(parameterized.TestCase):
+
+  def _generate(self, variant, kv, layout, batch=2, prompt=6, new=12,
+                capacity=128):
+    config = tiny(variant)
+    params = kvjax.pack(tiny_params(variant), config)
+    tokens = jax.random.randint(jax.random.key(3), (batch, prompt), 0,
+                                config.vocab_size)
+    ids, logits, _ = kvjax.generate(
+        params, config, tokens, new, capacity=capacity,
+        policy=cache_lib.CachePolicy(kv_dtype=kv), return_logits=True,
+        decode_layout=layout)
+    return np.asarray(ids), np.asarray(logits)
+
+  @cases.product(variant=("mha", "mqa", "gqa"),
+                 kv=("float32", "bfloat16", "int8", "int4"),
+                 slow=lambda variant, kv: variant != "gqa")
+  def test_generate_equals_the_stacked_path(self, variant, kv):
+    ids, logits = self._generate(variant, kv, "native")
+    ref_ids, ref_logits = self._generate(variant, kv, "stacked")
+    np.testing.assert_array_equal(ids, ref_ids)
+    # Both read the stored codes in float32 and differ in summation order
+    # only; in a bfloat16 or integer cache that can move a later token's
+    # stored code by one step, hence the storage's tolerance.
+    assert_close(logits, ref_logits, tiny(variant), cache=kv)
+
+  def test_auto_picks_the_kernel_wherever_it_runs(self):
+    config = tiny("gqa")
+    params = kvjax.pack(tiny_params("gqa"), config)
+    for kv in native_layered.NATIVE_DTYPES:
+      for batch in (1, 8):
+        plan = decode.plan(params, config, cache_lib.CachePolicy(kv_dtype=kv),
+                           batch, 100, 2000, 4096)
+        self.assertEqual({plan.segment_layout(i)
+                          for i in range(len(plan.schedule))}, {"native"},
+                         (kv, batch))
+    # float16 and KIVI's channel keys stay on the XLA views.
+    plan = decode.plan(params, config,
+                       cache_lib.CachePolicy(kv_dtype="float16"), 8, 100,
+                       2000, 4096)
+    self.assertNotIn("native", plan.layouts + (plan.layout,))
+
+  def test_refuses_what_it_cannot_read(self):
+    config = tiny("gqa")
+    params = kvjax.pack(tiny_params("gqa"), config)
+    for policy, match in (
+        (cache_lib.CachePolicy(kv_dtype="float16"), "float16"),
+        (cache_lib.CachePolicy(eviction="window"), "decode segments"),
+        (cache_lib.CachePolicy(kv_dtype="int8", key_quant="channel"),
+         "key_quant='channel'")):
+      with self.assertRaisesRegex(ValueError, match):
+        decode.plan(params, config, policy, 2, 6, 12, 128,
+                    decode_layout="native")
+
+  def test_without_the_kernel_the_xla_path_runs(self):
+    # KVJAX_NATIVE=0: not available, 'auto' plans the XLA layouts, and an
+    # explicit 'native' says why not.
+    code = (
+        "import kvjax, jax\n"
+        "from kvjax import native_attention, decode, cache as c\n"
+        "import sys; sys.path.insert(0, 'tests')\n"
+        "from tiny_models import tiny, tiny_params\n"
+        "assert not native_attention.available()\n"
+        "cfg = tiny('gqa'); p = kvjax.pack(tiny_params('gqa'), cfg)\n"
+        "plan = decode.plan(p, cfg, c.CachePolicy(kv_dtype='int8'), 8, 100,"
+        " 2000, 4096)\n"
+        "assert 'native' not in plan.layouts + (plan.layout,), plan\n"
+        "try:\n"
+        "  decode.plan(p, cfg, c.CachePolicy(), 8, 100, 2000, 4096,"
+        " decode_layout='native')\n"
+        "except ValueError as e:\n"
+        "  assert 'native' in str(e), e\n"
+        "else:\n"
+        "  raise AssertionError('no error')\n")
+    root = os.path.join(os.path.dirname(__file__), "..")
+    env = dict(os.environ, KVJAX_NATIVE="0", JAX_PLATFORMS="cpu")
+    run = subprocess.run([sys.executable, "-c", code], cwd=root, env=env,
+                         capture_output=True, text=True, check=False)
+    self.assertEqual(run.returncode, 0, run.stderr[-3000:])
+
+
+if __name__ == "__main__":
+  absltest.main()
