@@ -1,4 +1,5 @@
-r"""Which decode cache layout reads a cache fastest: stacked, blocked, layered.
+r"""Which decode cache layout reads a cache fastest: stacked, blocked,
+layered, native.
 
   python experiments/cache_layout.py --preset=mla-small --batch=8 \
       --contexts=512,2048,4096 --kv_dtypes=float32,int8 \
@@ -26,6 +27,7 @@ import jax
 import kvjax
 from kvjax import cli
 from kvjax import configs as cfg_lib
+from kvjax import native_layered
 from kvjax.lab import benchmarking as bm
 from configs import model as presets
 
@@ -37,9 +39,10 @@ _CONTEXTS = cli.DEFINE_int_list("contexts", [512, 2048, 4096],
                                 lower_bound=0)
 _DTYPES = cli.DEFINE_choice_list("kv_dtypes", ["float32", "int8"],
                                  bm.CACHE_KINDS, "Cache kinds.")
-_LAYOUTS = cli.DEFINE_choice_list("layouts", ["stacked", "blocked", "layered"],
-                                  ("stacked", "blocked", "layered"),
-                                  "Cache layouts (the first is the baseline).")
+_LAYOUTS = cli.DEFINE_choice_list(
+    "layouts", ["stacked", "blocked", "layered", "native"],
+    ("stacked", "blocked", "layered", "native"),
+    "Cache layouts (the first is the baseline).")
 _STEPS = flags.DEFINE_integer("steps", 32, "Decode steps per timed loop.",
                               lower_bound=1)
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Alternating timed rounds.",
@@ -54,9 +57,13 @@ def main(argv):
     config = cfg_lib.model_config(presets.get_config(_PRESET.value).model)
   # blocked views hold float GQA caches only; MLA's latents are stacked or
   # layered (`kvjax.layered_latent`).
+  # native: the GQA family's float32 / bfloat16 / int8 / int4 caches.
   combos = [(k, lay) for k in _DTYPES.value for lay in _LAYOUTS.value
             if not (lay == "blocked" and (bm.cache_policy(k).quantized or
-                                          config.attention == "mla"))]
+                                          config.attention == "mla"))
+            and not (lay == "native" and (
+                config.attention == "mla" or
+                k not in native_layered.NATIVE_DTYPES))]
   # Packed params (`kvjax.pack`): the views need per-layer arrays, which
   # `generate` gives only from PACK_MIN_WIDTH on; every layout reads them.
   params = kvjax.pack(kvjax.init_params(config, jax.random.key(0)), config)

@@ -37,6 +37,7 @@ from kvjax import layered
 from kvjax import layered_latent
 from kvjax import model
 from kvjax import native_attention
+from kvjax import native_latent
 from kvjax import native_layered
 from kvjax import projections
 from kvjax.config import ModelConfig
@@ -48,7 +49,7 @@ DECODE_LAYOUTS = ("auto", "stacked", "blocked", "layered", "native")
 # (`attention.register_decode_cache`).
 _VIEWS = {("blocked", "gqa"): blocked, ("layered", "gqa"): layered,
           ("layered", "mla"): layered_latent,
-          ("native", "gqa"): native_layered}
+          ("native", "gqa"): native_layered, ("native", "mla"): native_latent}
 # 'auto' reads float caches layered from this batch on: at batch 1 a float
 # per-layer array measured 0.5x the stacked step (gqa-small, 8192 slots).
 LAYERED_MIN_BATCH = 4
@@ -211,20 +212,21 @@ def _why_not(layout: str, schedule, params, config: ModelConfig,
             "positions='original', no stop tokens and no shardings")
   if (layout, config.attention) not in _VIEWS:
     return (f"attention={config.attention!r} has no {layout!r} view (MLA's "
-            "latents have 'layered' only)")
+            "latents have 'layered' and 'native')")
   if config.attention == "mla" and config.mla_decode != "absorbed":
     return (f"mla_decode={config.mla_decode!r} expands the latents every "
             "step; the layered latent view serves the absorbed path")
   if layout == "blocked" and policy.quantized:
     return f"kv_dtype={policy.kv_dtype!r} (quantized scales are not blocked)"
-  dtypes = (layered_latent.LAYERED_LATENT_DTYPES
-            if config.attention == "mla" else
-            native_layered.NATIVE_DTYPES if layout == "native" else
-            layered.LAYERED_DTYPES)
+  dtypes = {("layered", "gqa"): layered.LAYERED_DTYPES,
+            ("layered", "mla"): layered_latent.LAYERED_LATENT_DTYPES,
+            ("native", "gqa"): native_layered.NATIVE_DTYPES,
+            ("native", "mla"): native_latent.NATIVE_LATENT_DTYPES,
+            }.get((layout, config.attention), ())
   if layout in ("layered", "native") and (policy.kv_dtype not in dtypes
                                           or policy.channel_keys):
     return (f"kv_dtype={policy.kv_dtype!r}, key_quant={policy.key_quant!r} "
-            f"(layered: {dtypes}, per-token keys)")
+            f"({layout}: {dtypes}, per-token keys)")
   if layout == "native" and not native_attention.available():
     return ("the native decode-attention kernel did not build on this host "
             "(or KVJAX_NATIVE=0)")

@@ -1,18 +1,19 @@
-"""The CPU decode-attention kernel (`kvjax/native/decode_attention.cc`) as
-a JAX primitive: an XLA FFI custom call, built on first use.
+"""The CPU decode-attention kernels (`kvjax/native/decode_attention.cc`) as
+JAX primitives: XLA FFI custom calls, built on first use.
 
   out_BKGE = decode_attend(q_BKGD, k_BKDS, v, mask_BS, scale,
                            k_scale_BKS=None, v_scale_BKS=None)
+  o_lat_BNC = latent_attend(q_lat_BNC, q_rope_BNR, c_BSC, r_BSR, mask_BS,
+                            scale)      MLA's absorbed decode (`kvjax.mla`)
 
 Dimension alphabet (`kvjax.config`): B batch, K kv heads, G query heads per
 kv head, S cache slots, D key width, E value width (both H for the GQA
-family).
+family); N query heads, C MLA's latent rank, R its rotary width.
 
   keys    [B, K, D, S] (transposed, as `kvjax.layered` stores them):
           float32, bfloat16 bits (uint16, `kvjax.quant`), or int8 codes
           with per-token float32 scales [B, K, S]
-  values  float32 or bfloat16 bits [B, K, S, E]; int8 codes transposed
-          [B, K, E, S] with per-token scales [B, K, S]
+  values  [B, K, S, E], the keys' storage (int8: with per-token scales)
   mask    bool [B, S], True where a slot may be attended
 
 Semantics are `attention.decode_softmax_values`' in float32: logits =
@@ -30,7 +31,8 @@ float32 in a separate pass before its dots, so a bfloat16 cache was slower
 than a float32 one. The kernel reads every cached key and value once, as
 stored, with the softmax online, on XLA's own intra-op threads.
 
-The build: `g++ -O3 -march=native` (the host's vector units) into
+The build: `g++ -O3 -march=native -fopenmp-simd` (the host's vector units;
+OpenMP's simd pragmas only, no OpenMP runtime) into
 $KVJAX_NATIVE_DIR (default ~/.cache/kvjax/native), named by a hash of the
 source, the flags, the compiler and the CPU, so a changed source or another
 host builds anew. `available()` is False, with one logged warning, where no
@@ -59,7 +61,9 @@ from kvjax import quant
 
 SOURCE = pathlib.Path(__file__).parent / "native" / "decode_attention.cc"
 TARGET = "kvjax_decode_attention"
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
+LATENT_TARGET = "kvjax_latent_attention"
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared",
+         "-fPIC", "-w")
 KEY_DTYPES = (jnp.dtype(jnp.float32), quant.BF16_BITS, jnp.dtype(jnp.int8))
 
 
@@ -127,6 +131,9 @@ def available() -> bool:
     lib = ctypes.cdll.LoadLibrary(str(build()))
     jax.ffi.register_ffi_target(
         TARGET, jax.ffi.pycapsule(lib.KvjaxDecodeAttention), platform="cpu")
+    jax.ffi.register_ffi_target(
+        LATENT_TARGET, jax.ffi.pycapsule(lib.KvjaxLatentAttention),
+        platform="cpu")
   except (RuntimeError, OSError) as e:
     logging.warning("kvjax native decode attention unavailable, the XLA "
                     "path runs instead: %s", e)
@@ -152,8 +159,7 @@ def decode_attend(q_BKGD, k_BKDS, v, mask_BS, scale: float,
   Args:
     q_BKGD: queries (cast to float32).
     k_BKDS: keys transposed; float32, uint16 bfloat16 bits or int8 codes.
-    v: values, [B, K, S, E] float32 / bfloat16 bits, or int8 codes [B, K,
-      E, S].
+    v: values [B, K, S, E], stored as the keys are.
     mask_BS: bool, True where a slot may be attended.
     scale: softmax scale.
     k_scale_BKS, v_scale_BKS: float32 per-token scales (int8 codes only).
@@ -171,8 +177,8 @@ def decode_attend(q_BKGD, k_BKDS, v, mask_BS, scale: float,
   if (k_scale_BKS is None) == int8 or (v_scale_BKS is None) == int8:
     raise ValueError("decode_attend: per-token scales go with int8 codes, "
                      "and only with them")
-  E = v.shape[2] if int8 else v.shape[3]
-  want_v = (B, K, E, S) if int8 else (B, K, S, E)
+  E = v.shape[3]
+  want_v = (B, K, S, E)
   if k_BKDS.shape != (B, K, D, S) or v.shape != want_v:
     raise ValueError(f"decode_attend: keys {k_BKDS.shape} (want "
                      f"{(B, K, D, S)}), values {v.shape} (want {want_v})")
@@ -188,3 +194,43 @@ def decode_attend(q_BKGD, k_BKDS, v, mask_BS, scale: float,
               empty if v_scale_BKS is None else
               v_scale_BKS.astype(jnp.float32), mask_BS.astype(jnp.bool_),
               scale=np.float32(scale))
+
+
+LATENT_DTYPES = (jnp.dtype(jnp.float32), quant.BF16_BITS)
+
+
+def latent_attend(q_lat_BNC, q_rope_BNR, c_BSC, r_BSR, mask_BS,
+                  scale: float):
+  """MLA's absorbed decode attention (`mla.absorbed_decode`'s semantics) of
+  one query token per sequence over per-layer latents, keys and values at
+  once.
+
+  Args:
+    q_lat_BNC, q_rope_BNR: the absorbed and rotary queries (cast to
+      float32).
+    c_BSC, r_BSR: latents and rotary keys, float32 or bfloat16 bits (uint16),
+      the same for both.
+    mask_BS: bool, True where a slot may be attended.
+    scale: softmax scale.
+  Returns:
+    o_lat_BNC float32, the latent output (before W_UV).
+  Raises:
+    ValueError: shapes or dtypes the kernel does not take.
+  """
+  B, N, C = q_lat_BNC.shape
+  S, R = c_BSC.shape[1], r_BSR.shape[2]
+  if (jnp.dtype(c_BSC.dtype) not in LATENT_DTYPES or
+      r_BSR.dtype != c_BSC.dtype):
+    raise ValueError(f"latent_attend: latents {c_BSC.dtype} / rotary keys "
+                     f"{r_BSR.dtype}: float32 or bfloat16 bits, the same")
+  if (q_rope_BNR.shape != (B, N, R) or c_BSC.shape != (B, S, C) or
+      r_BSR.shape != (B, S, R) or mask_BS.shape != (B, S)):
+    raise ValueError(
+        f"latent_attend: q_lat {q_lat_BNC.shape}, q_rope {q_rope_BNR.shape}, "
+        f"c {c_BSC.shape}, r {r_BSR.shape}, mask {mask_BS.shape}; want [B, N, "
+        "C], [B, N, R], [B, S, C], [B, S, R], [B, S]")
+  call = jax.ffi.ffi_call(LATENT_TARGET,
+                          jax.ShapeDtypeStruct((B, N, C), jnp.float32),
+                          vmap_method="sequential")
+  return call(q_lat_BNC.astype(jnp.float32), q_rope_BNR.astype(jnp.float32),
+              c_BSC, r_BSR, mask_BS.astype(jnp.bool_), scale=np.float32(scale))

@@ -2,10 +2,13 @@
 layered view (`kvjax.layered`: one array per layer, keys transposed) whose
 attention is `native_attention.decode_attend` instead of XLA's dots.
 
-  NativeKV   the arrays and layouts of `layered.LayeredKV` (float32,
-             bfloat16 bits, int8 codes with per-token scales, int4 codes
-             unpacked to int8), read as stored: no float32 copy of a
-             bfloat16 or int8 cache, no [.., S] logits in memory.
+  NativeKV   `layered.LayeredKV`'s arrays (float32, bfloat16 bits, int8
+             codes with per-token scales, int4 codes unpacked to int8):
+             keys L × [B, K, H, S] (transposed), values L × [B, K, S, H]
+             for every kind (the layered view transposes int8 values for
+             XLA's integer dot; the kernel reads a value row per slot),
+             read as stored: no float32 copy of a bfloat16 or int8 cache,
+             no [.., S] logits in memory.
 
 It is a decode cache kind (`attention.register_decode_cache`) and a decode
 view (`kvjax.decode`'s 'native' layout): the model reads it through the
@@ -30,13 +33,19 @@ from kvjax import attention
 from kvjax import cache as cache_lib
 from kvjax import layered
 from kvjax import native_attention
+from kvjax import quant
 
 NATIVE_DTYPES = ("float32", "bfloat16", "int8", "int4")
 
 
 @struct.dataclass
 class NativeKV(layered.LayeredKV):
-  """A `layered.LayeredKV` attended by the native kernel (module docstring)."""
+  """A `layered.LayeredKV` attended by the native kernel, values [B, K, S,
+  H] for every kind (module docstring)."""
+
+  @property
+  def transposed(self) -> bool:  # values: never transposed
+    return False
 
 
 def supports(cache, attend: int) -> str | None:
@@ -62,10 +71,22 @@ def from_cache(cache: cache_lib.KVCache, attend: int) -> NativeKV:
   why = supports(cache, attend)
   if why:
     raise ValueError(f"native decode cache: {why}")
-  view = layered.from_cache(cache, attend)
-  return NativeKV(**{f: getattr(view, f) for f in (
-      "k", "v", "positions", "length", "k_scale", "v_scale", "errors",
-      "policy")})
+  L = cache.k.shape[0]
+  int4 = cache.policy.kv_dtype == "int4"
+
+  def split(arr, transpose=False):
+    if arr is None:
+      return None
+    parts = tuple(arr[l, :, :, :attend] for l in range(L))
+    if int4 and arr.ndim == 5:  # payloads: int4 pairs unpacked to int8 codes
+      parts = tuple(quant.unpack_int4(x) for x in parts)
+    return tuple(jnp.swapaxes(x, -1, -2) for x in parts) if transpose else (
+        parts)
+
+  return NativeKV(k=split(cache.k, True), v=split(cache.v),
+                  k_scale=split(cache.k_scale), v_scale=split(cache.v_scale),
+                  positions=cache.positions[:, :attend], length=cache.length,
+                  errors=cache.errors, policy=cache.policy)
 
 
 def into_cache(cache: cache_lib.KVCache, view: NativeKV) -> cache_lib.KVCache:

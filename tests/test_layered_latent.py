@@ -2,6 +2,8 @@
 one array per layer equals the stacked latent cache bit for bit, and the
 decode loop reads it only where it can."""
 
+from unittest import mock
+
 from absl.testing import absltest
 from absl.testing import parameterized
 import jax
@@ -15,6 +17,7 @@ from kvjax import inference
 from kvjax import layered
 from kvjax import layered_latent
 from kvjax import mla
+from kvjax import native_attention
 from kvjax import quant
 from kvjax.tolerance import assert_close
 import cases
@@ -193,6 +196,14 @@ class GenerateTest(parameterized.TestCase):
 
 
 class PlanTest(parameterized.TestCase):
+  """'auto' where the native kernel is not built (`decode.plan` prefers it
+  wherever it runs: tests/test_native_attention.py): the XLA views."""
+
+  def setUp(self):
+    super().setUp()
+    patch = mock.patch.object(native_attention, "available", lambda: False)
+    patch.start()
+    self.addCleanup(patch.stop)
 
   def _plan(self, decode_layout="auto", batch=8, dtype="float32",
             prompt=1000, steps=2500, capacity=8192, pack=True):

@@ -25,6 +25,7 @@ import kvjax
 from kvjax import cache as cache_lib
 from kvjax import decode
 from kvjax import native_attention
+from kvjax import native_latent
 from kvjax import native_layered
 from kvjax import quant
 from kvjax.tolerance import assert_close
@@ -46,8 +47,7 @@ def operands(form, B, K, G, D, E, S, seed=0):
     vc, vs = quant.quantize(jnp.asarray(v), jnp.int8)
     k64 = np.asarray(kc, np.float64) * np.asarray(ks, np.float64)[..., None]
     v64 = np.asarray(vc, np.float64) * np.asarray(vs, np.float64)[..., None]
-    return (q, jnp.swapaxes(kc, -1, -2), jnp.swapaxes(vc, -1, -2), ks, vs,
-            k64, v64)
+    return q, jnp.swapaxes(kc, -1, -2), vc, ks, vs, k64, v64
   if form == "bfloat16":
     kb = quant.quantize(jnp.asarray(k), quant.BF16_BITS)[0]
     vb = quant.quantize(jnp.asarray(v), quant.BF16_BITS)[0]
@@ -167,6 +167,49 @@ class KernelTest(parameterized.TestCase):
     self.assertEqual(native_attention.build(), path)  # built once
 
 
+class LatentKernelTest(parameterized.TestCase):
+
+  @cases.product(form=("float32", "bfloat16"), N=(1, 4, 8, 16),
+                 S=(1, 130, 2048))
+  def test_equals_a_float64_reference(self, form, N, S):
+    # MLA's absorbed attention: keys [c | r], values c (one latent shared
+    # by the N heads: K = 1, G = N); C not a multiple of 16 on one case.
+    B, C, R = 2, 48 if N == 4 else 64, 16
+    rng = np.random.default_rng(N + S)
+    q_lat = rng.standard_normal((B, N, C)).astype(np.float32)
+    q_rope = rng.standard_normal((B, N, R)).astype(np.float32)
+    c = rng.standard_normal((B, S, C)).astype(np.float32)
+    r = rng.standard_normal((B, S, R)).astype(np.float32)
+    if form == "bfloat16":
+      c, r = (quant.quantize(jnp.asarray(x), quant.BF16_BITS)[0]
+              for x in (c, r))
+      c64, r64 = (np.asarray(quant.dequantize(x, None, jnp.float32),
+                             np.float64) for x in (c, r))
+    else:
+      c64, r64 = c.astype(np.float64), r.astype(np.float64)
+    mask = rng.random((B, S)) < 0.6
+    mask[0, 0] = True
+    mask[1] = False  # a fully masked row
+    scale = 0.1
+    out = native_attention.latent_attend(q_lat, q_rope, jnp.asarray(c),
+                                         jnp.asarray(r), jnp.asarray(mask),
+                                         scale)
+    q64 = np.concatenate([q_lat, q_rope], -1).astype(np.float64)[:, None]
+    k64 = np.concatenate([c64, r64], -1)[:, None]
+    want = reference(q64, k64, c64[:, None], mask, scale)[:, 0]
+    np.testing.assert_allclose(np.asarray(out), want, rtol=2e-5, atol=2e-5)
+
+  def test_bad_operands_are_refused_before_compute(self):
+    q, c = jnp.zeros((2, 4, 32)), jnp.zeros((2, 64, 32))
+    qr, r = jnp.zeros((2, 4, 8)), jnp.zeros((2, 64, 8))
+    mask = jnp.ones((2, 64), bool)
+    with self.assertRaisesRegex(ValueError, "float32 or bfloat16 bits"):
+      native_attention.latent_attend(q, qr, c.astype(jnp.int8),
+                                     r.astype(jnp.int8), mask, 1.0)
+    with self.assertRaisesRegex(ValueError, "want"):
+      native_attention.latent_attend(q, qr, c, r[:, :10], mask, 1.0)
+
+
 class NativeViewTest(parameterized.TestCase):
 
   def _generate(self, variant, kv, layout, batch=2, prompt=6, new=12,
@@ -181,9 +224,11 @@ class NativeViewTest(parameterized.TestCase):
         decode_layout=layout)
     return np.asarray(ids), np.asarray(logits)
 
-  @cases.product(variant=("mha", "mqa", "gqa"),
-                 kv=("float32", "bfloat16", "int8", "int4"),
-                 slow=lambda variant, kv: variant != "gqa")
+  @cases.named(
+      [dict(variant=v, kv=k) for v in ("mha", "mqa", "gqa")
+       for k in native_layered.NATIVE_DTYPES] +
+      [dict(variant="mla", kv=k) for k in native_latent.NATIVE_LATENT_DTYPES],
+      slow=lambda variant, kv: variant not in cases.FAST_VARIANTS)
   def test_generate_equals_the_stacked_path(self, variant, kv):
     ids, logits = self._generate(variant, kv, "native")
     ref_ids, ref_logits = self._generate(variant, kv, "stacked")
@@ -203,6 +248,18 @@ class NativeViewTest(parameterized.TestCase):
         self.assertEqual({plan.segment_layout(i)
                           for i in range(len(plan.schedule))}, {"native"},
                          (kv, batch))
+    mla_config = tiny("mla")
+    mla_params = kvjax.pack(tiny_params("mla"), mla_config)
+    for kv in native_latent.NATIVE_LATENT_DTYPES:
+      plan = decode.plan(mla_params, mla_config,
+                         cache_lib.CachePolicy(kv_dtype=kv), 8, 100, 2000,
+                         4096)
+      self.assertEqual(plan.layout, "native", kv)
+    # MLA's int8 latents keep the integer attention.
+    plan = decode.plan(mla_params, mla_config,
+                       cache_lib.CachePolicy(kv_dtype="int8"), 8, 100, 2000,
+                       4096)
+    self.assertEqual(plan.layout, "layered")
     # float16 and KIVI's channel keys stay on the XLA views.
     plan = decode.plan(params, config,
                        cache_lib.CachePolicy(kv_dtype="float16"), 8, 100,

@@ -10,12 +10,12 @@
 // the time to read the cache's bytes.
 //
 // Shapes (the dimension alphabet of kvjax.config):
-//   q       f32   [B, K, G, D]      queries, grouped by the kv head serving them
-//   k       T     [B, K, D, S]      keys transposed (T: f32, bf16 bits as u16, s8)
-//   k_scale f32   [B, K, S]         per-token key scales (s8; else [0])
-//   v       T     [B, K, S, E]      float values; s8 values transposed [B, K, E, S]
-//   v_scale f32   [B, K, S]         per-token value scales (s8; else [0])
-//   mask    pred  [B, S]            True where a slot may be attended
+//   q       f32   [B, K, G, D]   queries, grouped by the kv head serving them
+//   k       T     [B, K, D, S]   keys transposed (T: f32, bf16 bits as u16, s8)
+//   k_scale f32   [B, K, S]      per-token key scales (s8; else [0])
+//   v       T     [B, K, S, E]   values
+//   v_scale f32   [B, K, S]      per-token value scales (s8; else [0])
+//   mask    pred  [B, S]         True where a slot may be attended
 //   out     f32   [B, K, G, E]
 // attrs: scale (softmax scale, f32).
 //
@@ -23,6 +23,12 @@
 // * q.k (times the key scale), masked slots set to the lowest float before
 // the softmax, so a fully masked row averages its values (finite, never
 // NaN).
+//
+// Work: tasks of (sequence, kv head, slot chunk) on XLA's intra-op thread
+// pool; each walks its slots in blocks of 128 with the online softmax, the
+// logits of up to four query rows in registers (16 slots at a time) while
+// the D key rows stream by, then the values' weighted sums (16 channels at
+// a time). Chunks of one (sequence, head) are combined at the end.
 
 #include <algorithm>
 #include <atomic>
@@ -34,33 +40,80 @@
 #include <thread>
 #include <vector>
 
-#ifdef __AVX2__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
 #include "xla/ffi/api/ffi.h"
-
 
 namespace ffi = xla::ffi;
 
 namespace {
 
 constexpr int64_t kBlock = 128;  // slots per block: logits [G, 128] in L1
+constexpr int64_t kLanes = 16;   // slots (or value channels) per vector
+constexpr int kRows = 4;         // query rows per register tile
 
-inline float load(float x) { return x; }
-inline float load(uint16_t bits) {  // bfloat16 bits -> float32
-  uint32_t u = static_cast<uint32_t>(bits) << 16;
+// Sixteen float32 lanes (GCC / Clang vector extensions: one AVX-512
+// register, two AVX ones, four SSE ones; the kernel builds on any of them).
+// Accumulators are named vectors, not arrays, so they stay in registers.
+typedef float f16v __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef int8_t i8x16 __attribute__((vector_size(16)));
+
+inline float load1(float x) { return x; }
+inline float load1(uint16_t bits) {  // bfloat16 bits: a float's high half
+  const uint32_t u = static_cast<uint32_t>(bits) << 16;
   float f;
   std::memcpy(&f, &u, sizeof(f));
   return f;
 }
-inline float load(int8_t code) { return static_cast<float>(code); }
+inline float load1(int8_t code) { return static_cast<float>(code); }
+
+inline f16v load16(const float* p) {
+  f16v r;
+  std::memcpy(&r, p, sizeof(r));
+  return r;
+}
+inline f16v load16(const uint16_t* p) {
+  u16x16 u;
+  std::memcpy(&u, p, sizeof(u));
+  const u32x16 w = __builtin_convertvector(u, u32x16) << 16;
+  f16v r;
+  std::memcpy(&r, &w, sizeof(r));
+  return r;
+}
+inline f16v load16(const int8_t* p) {
+  f16v out;
+#if defined(__AVX512F__)
+  // GCC 12 scalarises a direct int8 -> float vector conversion.
+  const __m512 r = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  std::memcpy(&out, &r, sizeof(out));
+#elif defined(__AVX2__)
+  const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c));
+  const __m256 hi =
+      _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c, 8)));
+  std::memcpy(&out, &lo, sizeof(lo));
+  std::memcpy(reinterpret_cast<char*>(&out) + sizeof(lo), &hi, sizeof(hi));
+#else
+  i8x16 c;
+  std::memcpy(&c, p, sizeof(c));
+  out = __builtin_convertvector(__builtin_convertvector(c, i32x16), f16v);
+#endif
+  return out;
+}
+inline void store16(float* p, f16v x) { std::memcpy(p, &x, sizeof(x)); }
 
 // exp(x) for x <= 0 in a form the compiler vectorizes (std::exp is a scalar
-// call, and a decode step takes G exponentials per cached slot): 2^n · p(r)
-// with n = round(x / ln 2), r = x - n ln 2 in two parts (Cody-Waite), p a
-// degree-6 polynomial; relative error below 2e-7 (tests compare it with
-// XLA's softmax). Below -87 (an underflowing or masked logit) it is 0.
+// call, and a step takes G exponentials per cached slot): 2^n · p(r) with
+// n = round(x / ln 2), r = x - n ln 2 in two parts (Cody-Waite), p a
+// degree-6 Taylor polynomial; relative error below 1e-6 (the tests compare
+// the kernel with a float64 softmax). Below -87 (an underflowing or masked
+// logit) it is 0.
 inline float exp_nonpositive(float x) {
   const float xc = std::max(x, -87.0f);
   const float n = std::nearbyint(xc * 1.44269504088896341f);
@@ -79,51 +132,11 @@ inline float exp_nonpositive(float x) {
   return x < -87.0f ? 0.0f : p * two_n;
 }
 
-// Online-softmax partial result of one (sequence, kv head, slot range).
+// Online-softmax state of the G query rows of one (sequence, kv head) over
+// slots [s0, s1): m, l [G], acc [G, E].
 struct Partial {
-  std::vector<float> m, l, acc;  // [G], [G], [G, E]
+  std::vector<float> m, l, acc;
 };
-
-// Eight float32 lanes (one AVX register; GCC / Clang vector extensions, so
-// the kernel also builds where AVX is absent). Accumulators are named
-// vectors, not arrays, so that they stay in registers.
-typedef float f8 __attribute__((vector_size(32)));
-typedef uint16_t u16x8 __attribute__((vector_size(16)));
-typedef uint32_t u32x8 __attribute__((vector_size(32)));
-typedef int32_t i32x8 __attribute__((vector_size(32)));
-typedef int8_t i8x8 __attribute__((vector_size(8)));
-typedef uint8_t u8x8 __attribute__((vector_size(8)));
-
-inline f8 load8(const float* p) {
-  f8 r;
-  std::memcpy(&r, p, sizeof(r));
-  return r;
-}
-inline f8 load8(const uint16_t* p) {  // bfloat16 bits: the high half of a float
-  u16x8 u;
-  std::memcpy(&u, p, sizeof(u));
-  const u32x8 w = __builtin_convertvector(u, u32x8) << 16;
-  f8 r;
-  std::memcpy(&r, &w, sizeof(r));
-  return r;
-}
-inline f8 load8(const int8_t* p) {
-#ifdef __AVX2__
-  // GCC 12 scalarises a direct int8 -> float vector conversion.
-  const __m256 r = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-  f8 out;
-  std::memcpy(&out, &r, sizeof(out));
-  return out;
-#else
-  i8x8 c;
-  std::memcpy(&c, p, sizeof(c));
-  return __builtin_convertvector(__builtin_convertvector(c, i32x8), f8);
-#endif
-}
-inline void store8(float* p, f8 x) { std::memcpy(p, &x, sizeof(x)); }
-
-constexpr int64_t kLanes = 16;  // slots (or value channels) per register tile
 
 // Logits of GN query rows against one block of n slots: lg[g][j] = q_g . k_j.
 // The GN × 16 partial sums stay in registers while the loop walks the D key
@@ -134,109 +147,112 @@ inline void block_logits(const float* __restrict__ qs, int64_t D,
                          int64_t n, float* __restrict__ lg) {
   int64_t j0 = 0;
   for (; j0 + kLanes <= n; j0 += kLanes) {
-    f8 a0[GN], a1[GN];
-    for (int g = 0; g < GN; ++g) a0[g] = a1[g] = f8{};
+    f16v a[GN];
+    for (int g = 0; g < GN; ++g) a[g] = f16v{};
     const KT* kr = k + b0 + j0;
     for (int64_t d = 0; d < D; ++d, kr += S) {
-      const f8 k0 = load8(kr), k1 = load8(kr + 8);
-      for (int g = 0; g < GN; ++g) {
-        const float qd = qs[g * D + d];
-        a0[g] += qd * k0;
-        a1[g] += qd * k1;
-      }
+      const f16v kv = load16(kr);
+      for (int g = 0; g < GN; ++g) a[g] += qs[g * D + d] * kv;
     }
-    for (int g = 0; g < GN; ++g) {
-      store8(lg + g * kBlock + j0, a0[g]);
-      store8(lg + g * kBlock + j0 + 8, a1[g]);
-    }
+    for (int g = 0; g < GN; ++g) store16(lg + g * kBlock + j0, a[g]);
   }
   for (; j0 < n; ++j0) {  // tail of a block whose length is not a multiple
     for (int g = 0; g < GN; ++g) {
       float a = 0.0f;
       for (int64_t d = 0; d < D; ++d)
-        a += qs[g * D + d] * load(k[d * S + b0 + j0]);
+        a += qs[g * D + d] * load1(k[d * S + b0 + j0]);
       lg[g * kBlock + j0] = a;
     }
   }
 }
 
-// acc[g][e] += sum_j p[g][j] · v[j][e] over float values [S, E].
+inline float hsum(f16v x) {
+#if defined(__AVX512F__)
+  __m512 r;
+  std::memcpy(&r, &x, sizeof(r));
+  return _mm512_reduce_add_ps(r);
+#else
+  float s = 0.0f;
+  for (int i = 0; i < 16; ++i) s += x[i];
+  return s;
+#endif
+}
+
+// Logits of GN query rows against one block of n slots whose keys are rows:
+// lg[g][j] = qa_g . a_j + qb_g . b_j, a [S, A] and b [S, R] (MLA's latents
+// and rotary keys). Each key row is loaded once for all GN rows.
+template <int GN, typename T>
+inline void block_logits_rows(const float* __restrict__ qa, int64_t A,
+                              const float* __restrict__ qb, int64_t R,
+                              const T* __restrict__ a,
+                              const T* __restrict__ b, int64_t b0, int64_t n,
+                              float* __restrict__ lg) {
+  for (int64_t j = 0; j < n; ++j) {
+    const T* aj = a + (b0 + j) * A;
+    const T* bj = b + (b0 + j) * R;
+    f16v acc[GN];
+    for (int g = 0; g < GN; ++g) acc[g] = f16v{};
+    int64_t e = 0;
+    for (; e + kLanes <= A; e += kLanes) {
+      const f16v kv = load16(aj + e);
+      for (int g = 0; g < GN; ++g) acc[g] += load16(qa + g * A + e) * kv;
+    }
+    float tail[GN] = {};
+    for (; e < A; ++e)
+      for (int g = 0; g < GN; ++g) tail[g] += qa[g * A + e] * load1(aj[e]);
+    e = 0;
+    for (; e + kLanes <= R; e += kLanes) {
+      const f16v kv = load16(bj + e);
+      for (int g = 0; g < GN; ++g) acc[g] += load16(qb + g * R + e) * kv;
+    }
+    for (; e < R; ++e)
+      for (int g = 0; g < GN; ++g) tail[g] += qb[g * R + e] * load1(bj[e]);
+    for (int g = 0; g < GN; ++g) lg[g * kBlock + j] = hsum(acc[g]) + tail[g];
+  }
+}
+
+// acc[g][e] += sum_j p[g][j] · v[j][e] over values [S, E].
 template <int GN, typename VT>
 inline void block_values(const float* __restrict__ p,
                          const VT* __restrict__ v, int64_t E, int64_t b0,
                          int64_t n, float* __restrict__ acc) {
   int64_t e0 = 0;
   for (; e0 + kLanes <= E; e0 += kLanes) {
-    f8 a0[GN], a1[GN];
-    for (int g = 0; g < GN; ++g) {
-      a0[g] = load8(acc + g * E + e0);
-      a1[g] = load8(acc + g * E + e0 + 8);
-    }
+    f16v a[GN];
+    for (int g = 0; g < GN; ++g) a[g] = load16(acc + g * E + e0);
     const VT* vr = v + b0 * E + e0;
     for (int64_t j = 0; j < n; ++j, vr += E) {
-      const f8 v0 = load8(vr), v1 = load8(vr + 8);
-      for (int g = 0; g < GN; ++g) {
-        const float pj = p[g * kBlock + j];
-        a0[g] += pj * v0;
-        a1[g] += pj * v1;
-      }
+      const f16v vv = load16(vr);
+      for (int g = 0; g < GN; ++g) a[g] += p[g * kBlock + j] * vv;
     }
-    for (int g = 0; g < GN; ++g) {
-      store8(acc + g * E + e0, a0[g]);
-      store8(acc + g * E + e0 + 8, a1[g]);
-    }
+    for (int g = 0; g < GN; ++g) store16(acc + g * E + e0, a[g]);
   }
   for (; e0 < E; ++e0)  // channels past the last multiple of 16
     for (int g = 0; g < GN; ++g)
       for (int64_t j = 0; j < n; ++j)
-        acc[g * E + e0] += p[g * kBlock + j] * load(v[(b0 + j) * E + e0]);
-}
-
-// acc[g][e] += sum_j p[g][j] · v[e][j] over values stored transposed [E, S]
-// (int8 codes; p already carries each token's value scale).
-template <int GN, typename VT>
-inline void block_values_t(const float* __restrict__ p,
-                           const VT* __restrict__ v, int64_t E, int64_t S,
-                           int64_t b0, int64_t n, float* __restrict__ acc) {
-  for (int64_t e = 0; e < E; ++e) {
-    const VT* vr = v + e * S + b0;
-    f8 a0[GN], a1[GN];
-    for (int g = 0; g < GN; ++g) a0[g] = a1[g] = f8{};
-    int64_t j0 = 0;
-    for (; j0 + kLanes <= n; j0 += kLanes) {
-      const f8 v0 = load8(vr + j0), v1 = load8(vr + j0 + 8);
-      for (int g = 0; g < GN; ++g) {
-        a0[g] += load8(p + g * kBlock + j0) * v0;
-        a1[g] += load8(p + g * kBlock + j0 + 8) * v1;
-      }
-    }
-    for (int g = 0; g < GN; ++g) {
-      const f8 t = a0[g] + a1[g];
-      float s = ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
-      for (int64_t j = j0; j < n; ++j) s += p[g * kBlock + j] * load(vr[j]);
-      acc[g * E + e] += s;
-    }
-  }
+        acc[g * E + e0] += p[g * kBlock + j] * load1(v[(b0 + j) * E + e0]);
 }
 
 // One tile of GN query rows over slots [s0, s1): the online softmax.
-template <int GN, typename KT, typename VT, bool kVTransposed>
-void attend_tile(const float* __restrict__ qs, const KT* __restrict__ k, const float* __restrict__ k_scale,
-                 const VT* __restrict__ v, const float* __restrict__ v_scale, const bool* __restrict__ mask,
-                 int64_t D, int64_t E, int64_t S, int64_t s0, int64_t s1,
-                 float* __restrict__ m, float* l, float* acc) {
+// logits(b0, n, lg) fills lg[g][j] for the block's n slots from b0.
+template <int GN, typename T, typename Logits>
+void attend_tile(const Logits& logits, const float* __restrict__ k_scale,
+                 const T* __restrict__ v, const float* __restrict__ v_scale,
+                 const bool* __restrict__ mask, int64_t E, int64_t s0,
+                 int64_t s1, float* __restrict__ m, float* __restrict__ l,
+                 float* __restrict__ acc) {
   constexpr float kLowest = std::numeric_limits<float>::lowest();
   alignas(64) float lg[GN * kBlock];
   for (int64_t b0 = s0; b0 < s1; b0 += kBlock) {
     const int64_t n = std::min(kBlock, s1 - b0);
-    block_logits<GN, KT>(qs, D, k, S, b0, n, lg);
+    logits(b0, n, lg);
+    const uint8_t* mk = reinterpret_cast<const uint8_t*>(mask + b0);
     for (int g = 0; g < GN; ++g) {
       float* row = lg + g * kBlock;
       if (k_scale != nullptr) {
 #pragma omp simd
         for (int64_t j = 0; j < n; ++j) row[j] *= k_scale[b0 + j];
       }
-      const uint8_t* mk = reinterpret_cast<const uint8_t*>(mask + b0);
 #pragma omp simd
       for (int64_t j = 0; j < n; ++j) row[j] = mk[j] ? row[j] : kLowest;
       float bm = kLowest;
@@ -256,53 +272,78 @@ void attend_tile(const float* __restrict__ qs, const KT* __restrict__ k, const f
       }
       l[g] += sum;
       m[g] = m_new;
-      if (v_scale != nullptr) {
+      if (v_scale != nullptr) {  // each token's value scale, into its weight
 #pragma omp simd
         for (int64_t j = 0; j < n; ++j) row[j] *= v_scale[b0 + j];
       }
     }
-    if constexpr (kVTransposed) {
-      block_values_t<GN, VT>(lg, v, E, S, b0, n, acc);
-    } else {
-      block_values<GN, VT>(lg, v, E, b0, n, acc);
-    }
+    block_values<GN, T>(lg, v, E, b0, n, acc);
   }
 }
 
-// Online-softmax state of every query row of one (sequence, kv head) over
-// slots [s0, s1), in query tiles of at most 4 rows.
-template <typename KT, typename VT, bool kVTransposed>
-void attend_range(const float* q, const KT* k, const float* k_scale,
-                  const VT* v, const float* v_scale, const bool* mask,
-                  int64_t G, int64_t D, int64_t E, int64_t S, int64_t s0,
-                  int64_t s1, float scale, Partial& out) {
+template <int GN, typename T>
+void gqa_tile(const float* qg, const T* k, const float* k_scale, const T* v,
+              const float* v_scale, const bool* mask, int64_t D, int64_t E,
+              int64_t S, int64_t s0, int64_t s1, float* m, float* l,
+              float* acc) {
+  attend_tile<GN, T>(
+      [&](int64_t b0, int64_t n, float* lg) {
+        block_logits<GN, T>(qg, D, k, S, b0, n, lg);
+      },
+      k_scale, v, v_scale, mask, E, s0, s1, m, l, acc);
+}
+
+template <int GN, typename T>
+void latent_tile(const float* qa, const float* qb, const T* a, const T* b,
+                 const bool* mask, int64_t A, int64_t R, int64_t s0,
+                 int64_t s1, float* m, float* l, float* acc) {
+  attend_tile<GN, T>(
+      [&](int64_t b0, int64_t n, float* lg) {
+        block_logits_rows<GN, T>(qa, A, qb, R, a, b, b0, n, lg);
+      },
+      nullptr, a, nullptr, mask, A, s0, s1, m, l, acc);
+}
+
+// Dispatches a query tile of gn <= kRows rows to its register width.
+template <typename F>
+void by_rows(int64_t gn, const F& f) {
+  switch (gn) {
+    case 4: f(std::integral_constant<int, 4>()); break;
+    case 3: f(std::integral_constant<int, 3>()); break;
+    case 2: f(std::integral_constant<int, 2>()); break;
+    default: f(std::integral_constant<int, 1>());
+  }
+}
+
+// The G query rows of one (sequence, kv head) over slots [s0, s1), in tiles
+// of kRows rows. GQA: keys [D, S] transposed, values [S, E]; MLA (qb set):
+// latents a [S, A] as keys and values, rotary keys b [S, R].
+template <typename T>
+void attend_range(const float* q, const float* qb, const T* k,
+                  const float* k_scale, const T* v, const float* v_scale,
+                  const bool* mask, int64_t G, int64_t D, int64_t R,
+                  int64_t E, int64_t S, int64_t s0, int64_t s1, float scale,
+                  Partial& out) {
   out.m.assign(G, -std::numeric_limits<float>::infinity());
   out.l.assign(G, 0.0f);
   out.acc.assign(G * E, 0.0f);
-  std::vector<float> qs(G * D);
+  std::vector<float> qs(G * D), qbs(qb != nullptr ? G * R : 0);
   for (int64_t i = 0; i < G * D; ++i) qs[i] = q[i] * scale;
-  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+  for (size_t i = 0; i < qbs.size(); ++i) qbs[i] = qb[i] * scale;
+  for (int64_t g0 = 0; g0 < G; g0 += kRows) {
     float* m = out.m.data() + g0;
     float* l = out.l.data() + g0;
     float* acc = out.acc.data() + g0 * E;
-    const float* qg = qs.data() + g0 * D;
-    switch (std::min<int64_t>(4, G - g0)) {
-      case 4:
-        attend_tile<4, KT, VT, kVTransposed>(qg, k, k_scale, v, v_scale, mask,
-                                             D, E, S, s0, s1, m, l, acc);
-        break;
-      case 3:
-        attend_tile<3, KT, VT, kVTransposed>(qg, k, k_scale, v, v_scale, mask,
-                                             D, E, S, s0, s1, m, l, acc);
-        break;
-      case 2:
-        attend_tile<2, KT, VT, kVTransposed>(qg, k, k_scale, v, v_scale, mask,
-                                             D, E, S, s0, s1, m, l, acc);
-        break;
-      default:
-        attend_tile<1, KT, VT, kVTransposed>(qg, k, k_scale, v, v_scale, mask,
-                                             D, E, S, s0, s1, m, l, acc);
-    }
+    by_rows(std::min<int64_t>(kRows, G - g0), [&](auto gn) {
+      constexpr int GN = decltype(gn)::value;
+      if (qb != nullptr) {
+        latent_tile<GN, T>(qs.data() + g0 * D, qbs.data() + g0 * R, k, v,
+                           mask, D, R, s0, s1, m, l, acc);
+      } else {
+        gqa_tile<GN, T>(qs.data() + g0 * D, k, k_scale, v, v_scale, mask, D,
+                        E, S, s0, s1, m, l, acc);
+      }
+    });
   }
 }
 
@@ -335,29 +376,34 @@ void parallel_for(ffi::ThreadPool& pool, int64_t tasks, const F& task) {
     std::this_thread::yield();
 }
 
-template <typename KT, typename VT, bool kVTransposed>
-void attend_all(ffi::ThreadPool& pool, const float* q, const KT* k,
-                const float* k_scale, const VT* v, const float* v_scale,
-                const bool* mask, float* out, int64_t B, int64_t K, int64_t G,
-                int64_t D, int64_t E, int64_t S, float scale) {
-  // Tasks: (sequence, kv head, slot chunk). Chunks split the slots when
-  // there are fewer (sequence, head) pairs than twice the threads, so that
-  // batch 1 uses every core; partials are combined afterwards.
+// Every (sequence, kv head) pair: GQA (qb null: keys [B, K, D, S], values
+// [B, K, S, E]) or MLA (K = 1: latents k [B, S, D] as keys and values, E =
+// D, rotary keys v [B, S, R] for the rotary queries qb [B, G, R]).
+template <typename T>
+void attend_all(ffi::ThreadPool& pool, const float* q, const float* qb,
+                const T* k, const float* k_scale, const T* v,
+                const float* v_scale, const bool* mask, float* out, int64_t B,
+                int64_t K, int64_t G, int64_t D, int64_t R, int64_t E,
+                int64_t S, float scale) {
+  // Chunks split the slots when there are fewer (sequence, head) pairs than
+  // twice the threads, so that batch 1 uses every core.
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t pairs = B * K;
   int64_t chunks = std::max<int64_t>(1, (2 * threads + pairs - 1) / pairs);
   chunks = std::min<int64_t>(chunks, std::max<int64_t>(1, S / (4 * kBlock)));
   const int64_t chunk = (S + chunks - 1) / chunks;
+  const int64_t v_pair = S * (qb != nullptr ? R : E);
   std::vector<Partial> parts(pairs * chunks);
   parallel_for(pool, pairs * chunks, [&](int64_t t) {
     const int64_t p = t / chunks, c = t % chunks;
-    const int64_t b = p / K;
     const int64_t s0 = std::min(S, c * chunk), s1 = std::min(S, s0 + chunk);
-    attend_range<KT, VT, kVTransposed>(
-        q + p * G * D, k + p * D * S,
-        k_scale != nullptr ? k_scale + p * S : nullptr,
-        v + p * S * E, v_scale != nullptr ? v_scale + p * S : nullptr,
-        mask + b * S, G, D, E, S, s0, s1, scale, parts[t]);
+    attend_range<T>(q + p * G * D, qb != nullptr ? qb + p * G * R : nullptr,
+                    k + p * D * S,
+                    k_scale != nullptr ? k_scale + p * S : nullptr,
+                    v + p * v_pair,
+                    v_scale != nullptr ? v_scale + p * S : nullptr,
+                    mask + (p / K) * S, G, D, R, E, S, s0, s1, scale,
+                    parts[t]);
   });
   for (int64_t p = 0; p < pairs; ++p) {
     for (int64_t g = 0; g < G; ++g) {
@@ -380,77 +426,129 @@ void attend_all(ffi::ThreadPool& pool, const float* q, const KT* k,
   }
 }
 
+template <typename T>
+ffi::Error run(ffi::ThreadPool& pool, const float* q, const void* k,
+               const float* ks, const void* v, const float* vs,
+               const bool* mask, float* out, int64_t B, int64_t K, int64_t G,
+               int64_t D, int64_t E, int64_t S, float scale) {
+  attend_all<T>(pool, q, nullptr, static_cast<const T*>(k), ks,
+                static_cast<const T*>(v), vs, mask, out, B, K, G, D, 0, E, S,
+                scale);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 static ffi::Error DecodeAttentionImpl(
-    ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::Buffer<ffi::F32> k_scale,
-    ffi::AnyBuffer v, ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::PRED> mask,
+    ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
+    ffi::Buffer<ffi::F32> k_scale, ffi::AnyBuffer v,
+    ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::PRED> mask,
     ffi::ResultBuffer<ffi::F32> out, float scale) {
-  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4)
     return ffi::Error::InvalidArgument("q, k, v must be rank 4");
   const int64_t B = qd[0], K = qd[1], G = qd[2], D = qd[3], S = kd[3];
+  const int64_t E = vd[3];
   if (kd[0] != B || kd[1] != K || kd[2] != D)
     return ffi::Error::InvalidArgument("k must be [B, K, D, S]");
-  const bool quantized = k.element_type() == ffi::S8;
-  const bool has_scale = k_scale.element_count() > 0;
-  if (quantized != has_scale || (v_scale.element_count() > 0) != has_scale)
+  if (vd[0] != B || vd[1] != K || vd[2] != S)
+    return ffi::Error::InvalidArgument("v must be [B, K, S, E]");
+  if (k.element_type() != v.element_type())
+    return ffi::Error::InvalidArgument("k and v must share a dtype");
+  const bool codes = k.element_type() == ffi::S8;
+  const bool scales = k_scale.element_count() > 0;
+  if (codes != scales || (v_scale.element_count() > 0) != scales)
     return ffi::Error::InvalidArgument("scales go with int8 codes only");
-  if (has_scale && (k_scale.element_count() != B * K * S ||
-                    v_scale.element_count() != B * K * S))
+  if (scales && (k_scale.element_count() != B * K * S ||
+                 v_scale.element_count() != B * K * S))
     return ffi::Error::InvalidArgument("scales must be [B, K, S]");
   if (mask.element_count() != B * S)
     return ffi::Error::InvalidArgument("mask must be [B, S]");
-  const bool* m = mask.typed_data();
-  float* o = out->typed_data();
-  const float* ks = has_scale ? k_scale.typed_data() : nullptr;
-  const float* vs = has_scale ? v_scale.typed_data() : nullptr;
-  if (k.element_type() != v.element_type())
-    return ffi::Error::InvalidArgument("k and v must share a dtype");
+  const float* ks = scales ? k_scale.typed_data() : nullptr;
+  const float* vs = scales ? v_scale.typed_data() : nullptr;
+  const float* qp = q.typed_data();
+  const bool* mp = mask.typed_data();
+  float* op = out->typed_data();
   switch (k.element_type()) {
-    case ffi::F32: {
-      const int64_t E = vd[3];
-      if (vd[0] != B || vd[1] != K || vd[2] != S)
-        return ffi::Error::InvalidArgument("float v must be [B, K, S, E]");
-      attend_all<float, float, false>(
-          pool, q.typed_data(), reinterpret_cast<const float*>(k.untyped_data()),
-          nullptr, reinterpret_cast<const float*>(v.untyped_data()), nullptr,
-          m, o, B, K, G, D, E, S, scale);
-      return ffi::Error::Success();
-    }
-    case ffi::U16: {  // bfloat16 bits (kvjax.quant stores bfloat16 so)
-      const int64_t E = vd[3];
-      if (vd[0] != B || vd[1] != K || vd[2] != S)
-        return ffi::Error::InvalidArgument("bf16 v must be [B, K, S, E]");
-      attend_all<uint16_t, uint16_t, false>(
-          pool, q.typed_data(), reinterpret_cast<const uint16_t*>(k.untyped_data()),
-          nullptr, reinterpret_cast<const uint16_t*>(v.untyped_data()),
-          nullptr, m, o, B, K, G, D, E, S, scale);
-      return ffi::Error::Success();
-    }
-    case ffi::S8: {
-      const int64_t E = vd[2];
-      if (vd[0] != B || vd[1] != K || vd[3] != S)
-        return ffi::Error::InvalidArgument("int8 v must be [B, K, E, S]");
-      attend_all<int8_t, int8_t, true>(
-          pool, q.typed_data(), reinterpret_cast<const int8_t*>(k.untyped_data()),
-          ks, reinterpret_cast<const int8_t*>(v.untyped_data()), vs, m, o, B,
-          K, G, D, E, S, scale);
-      return ffi::Error::Success();
-    }
+    case ffi::F32:
+      return run<float>(pool, qp, k.untyped_data(), ks, v.untyped_data(), vs,
+                        mp, op, B, K, G, D, E, S, scale);
+    case ffi::U16:  // bfloat16 bits (kvjax.quant stores bfloat16 so)
+      return run<uint16_t>(pool, qp, k.untyped_data(), ks, v.untyped_data(),
+                           vs, mp, op, B, K, G, D, E, S, scale);
+    case ffi::S8:
+      return run<int8_t>(pool, qp, k.untyped_data(), ks, v.untyped_data(), vs,
+                         mp, op, B, K, G, D, E, S, scale);
     default:
-      return ffi::Error::InvalidArgument("k: f32, u16 (bfloat16 bits) or s8");
+      return ffi::Error::InvalidArgument(
+          "k: f32, u16 (bfloat16 bits) or s8");
   }
 }
+
+// MLA's absorbed decode attention over per-layer latents:
+//   q_lat  f32 [B, N, C]   absorbed queries     q_rope f32 [B, N, R]
+//   c      T   [B, S, C]   latents (keys and values; T f32 or bf16 bits)
+//   r      T   [B, S, R]   rotary keys          mask   pred [B, S]
+//   out    f32 [B, N, C]   the latent output (before W_UV)
+// logits = scale · (q_lat · c + q_rope · r): `mla.absorbed_decode`.
+static ffi::Error LatentAttentionImpl(
+    ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q_lat,
+    ffi::Buffer<ffi::F32> q_rope, ffi::AnyBuffer c, ffi::AnyBuffer r,
+    ffi::Buffer<ffi::PRED> mask, ffi::ResultBuffer<ffi::F32> out,
+    float scale) {
+  const auto qd = q_lat.dimensions(), rd = q_rope.dimensions();
+  const auto cd = c.dimensions(), kd = r.dimensions();
+  if (qd.size() != 3 || rd.size() != 3 || cd.size() != 3 || kd.size() != 3)
+    return ffi::Error::InvalidArgument("latent operands must be rank 3");
+  const int64_t B = qd[0], N = qd[1], C = qd[2], R = rd[2], S = cd[1];
+  if (rd[0] != B || rd[1] != N || cd[0] != B || cd[2] != C || kd[0] != B ||
+      kd[1] != S || kd[2] != R)
+    return ffi::Error::InvalidArgument(
+        "want q_lat [B, N, C], q_rope [B, N, R], c [B, S, C], r [B, S, R]");
+  if (c.element_type() != r.element_type())
+    return ffi::Error::InvalidArgument("c and r must share a dtype");
+  if (mask.element_count() != B * S)
+    return ffi::Error::InvalidArgument("mask must be [B, S]");
+  switch (c.element_type()) {
+    case ffi::F32:
+      attend_all<float>(pool, q_lat.typed_data(), q_rope.typed_data(),
+                        static_cast<const float*>(c.untyped_data()), nullptr,
+                        static_cast<const float*>(r.untyped_data()), nullptr,
+                        mask.typed_data(), out->typed_data(), B, 1, N, C, R,
+                        C, S, scale);
+      return ffi::Error::Success();
+    case ffi::U16:
+      attend_all<uint16_t>(pool, q_lat.typed_data(), q_rope.typed_data(),
+                           static_cast<const uint16_t*>(c.untyped_data()),
+                           nullptr,
+                           static_cast<const uint16_t*>(r.untyped_data()),
+                           nullptr, mask.typed_data(), out->typed_data(), B,
+                           1, N, C, R, C, S, scale);
+      return ffi::Error::Success();
+    default:
+      return ffi::Error::InvalidArgument("latents: f32 or u16 (bf16 bits)");
+  }
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxLatentAttention, LatentAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // q_lat
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // q_rope
+                                  .Arg<ffi::AnyBuffer>()          // c
+                                  .Arg<ffi::AnyBuffer>()          // r
+                                  .Arg<ffi::Buffer<ffi::PRED>>()  // mask
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // out
+                                  .Attr<float>("scale"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxDecodeAttention, DecodeAttentionImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
-                                  .Arg<ffi::AnyBuffer>()         // k
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_scale
-                                  .Arg<ffi::AnyBuffer>()         // v
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_scale
-                                  .Arg<ffi::Buffer<ffi::PRED>>() // mask
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // q
+                                  .Arg<ffi::AnyBuffer>()          // k
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // k_scale
+                                  .Arg<ffi::AnyBuffer>()          // v
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // v_scale
+                                  .Arg<ffi::Buffer<ffi::PRED>>()  // mask
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // out
                                   .Attr<float>("scale"));
