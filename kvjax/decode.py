@@ -4,7 +4,9 @@
   plan(...)  how a loop lays out its work (static): the attention schedule
              (segments that attend a prefix of the cache) and the layout a
              segment reads: the stacked cache itself, or a per-segment
-             view of its prefix (`kvjax.blocked`, `kvjax.layered`).
+             view of its prefix (`kvjax.blocked`, `kvjax.layered`,
+             `kvjax.layered_latent`, and the native kernel's
+             `kvjax.native_layered`, `kvjax.native_latent`).
   run(...)   n decode steps from a token and a cache: `lax.scan` segments
              per the plan, or one `lax.while_loop` that stops when every
              sequence has emitted a stop token. Step i feeds the current
@@ -161,11 +163,14 @@ def plan(params, config: ModelConfig, policy: cache_lib.CachePolicy,
   `kvjax.packed.for_decode` gives on CPU); 'blocked' a float GQA-family
   cache, 'layered' a `layered.LAYERED_DTYPES` one with per-token keys, or
   MLA's latents (`layered_latent.LAYERED_LATENT_DTYPES`, absorbed decode
-  path). 'auto'
-  (CPU params, where they were measured): 'layered' for int8 / int4
-  caches at every batch (MLA's latents too); for the GQA family's float
-  caches from LAYERED_MIN_BATCH sequences on, 'layered' in segments
-  attending LAYERED_MIN_SLOTS slots or more; else 'stacked'.
+  path); 'native' what the CPU kernel reads (`native_layered.NATIVE_DTYPES`,
+  MLA's `native_latent.NATIVE_LATENT_DTYPES`) where it built. 'auto'
+  (CPU params, where they were measured): 'native' wherever it runs
+  (WORKSPACE.md "Quantized caches, and the cache-dominated regime");
+  else 'layered' for int8 / int4 caches at every batch (MLA's latents
+  too); for the GQA family's float caches from LAYERED_MIN_BATCH sequences
+  on, 'layered' in segments attending LAYERED_MIN_SLOTS slots or more;
+  else 'stacked'.
 
   Raises:
     ValueError: an unknown decode_layout, or a view where it cannot run.

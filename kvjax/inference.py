@@ -547,10 +547,14 @@ def generate(params, config: ModelConfig, tokens, max_new_tokens: int, *,
       embed_dim 256 on); 'blocked' a float kv_dtype (a segment whose
       prefix is not a multiple of 64 slots reads the stacked cache),
       'layered' float32 / bfloat16 / float16 / int8 / int4 with per-token
-      keys.
+      keys. 'native': the layered arrays attended by the CPU kernel
+      (`kvjax.native_attention`, built on first use): float32 / bfloat16 /
+      int8 / int4 caches of the GQA family, MLA's float32 / bfloat16
+      latents.
       While a segment runs its copy is held beside the cache (up to one
       cache of temporaries). 'auto' (default), with params on CPU (where
-      it was measured): 'layered' for int8 / int4 caches; for float caches at
+      it was measured): 'native' wherever it runs; else 'layered' for int8 /
+      int4 caches (MLA's latents too); for the GQA family's float caches at
       batch >= `LAYERED_MIN_BATCH` (4), 'layered' in segments attending
       `decode.LAYERED_MIN_SLOTS` (2048) slots or more; else 'stacked' (a
       float per-layer array measured 0.5x the stacked step at batch 1).

@@ -792,7 +792,7 @@ class TrainTest(absltest.TestCase):
 @pytest.mark.slow
 class ShippedTaskModelTest(parameterized.TestCase):
 
-  @parameterized.parameters("gqa", "mqa", "mha")
+  @parameterized.parameters("gqa", "mqa", "mha", "mla")
   def test_retrieves_the_needle_at_every_depth_through_the_full_cache(
       self, variant):
     # checkpoints/tasks-<variant>-passkey (gqa: policy_eval.py's default
