@@ -1,18 +1,21 @@
 """The CPU decode-attention kernels (`kvjax/native/decode_attention.cc`) as
 JAX primitives: XLA FFI custom calls, built on first use.
 
-  out_BKGE = decode_attend(q_BKGD, k_BKDS, v, mask_BS, scale,
+  out_BKGE = decode_attend(q_BKGD, k_tiles, v, mask_BS, scale,
                            k_scale_BKS=None, v_scale_BKS=None)
   o_lat_BNC = latent_attend(q_lat_BNC, q_rope_BNR, c_BSC, r_BSR, mask_BS,
                             scale)      MLA's absorbed decode (`kvjax.mla`)
 
 Dimension alphabet (`kvjax.config`): B batch, K kv heads, G query heads per
 kv head, S cache slots, D key width, E value width (both H for the GQA
-family); N query heads, C MLA's latent rank, R its rotary width.
+family); N query heads, C MLA's latent rank, R its rotary width. Keys
+come in tiles of 16 slots (`TILE`), written [B, K, S/16, D, 16] and named
+`k_tiles` (the alphabet has no letter for a tile axis).
 
-  keys    [B, K, D, S] (transposed, as `kvjax.layered` stores them):
+  keys    [B, K, S/16, D, 16]: tiles of 16 slots, each tile's D × 16 keys
+          contiguous (`tile_keys`), so the kernel streams them in order;
           float32, bfloat16 bits (uint16, `kvjax.quant`), or int8 codes
-          with per-token float32 scales [B, K, S]
+          with per-token float32 scales [B, K, S]; S a multiple of 16
   values  [B, K, S, E], the keys' storage (int8: with per-token scales)
   mask    bool [B, S], True where a slot may be attended
 
@@ -65,6 +68,21 @@ LATENT_TARGET = "kvjax_latent_attention"
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared",
          "-fPIC", "-w")
 KEY_DTYPES = (jnp.dtype(jnp.float32), quant.BF16_BITS, jnp.dtype(jnp.int8))
+TILE = 16  # slots per key tile (the kernel's register width)
+
+
+def tile_keys(k_BKSD):
+  """Keys [B, K, S, D] as the kernel reads them, [B, K, S/16, D, 16]."""
+  B, K, S, D = k_BKSD.shape
+  if S % TILE:
+    raise ValueError(f"tile_keys: S={S} slots is not a multiple of {TILE}")
+  return jnp.swapaxes(k_BKSD.reshape(B, K, S // TILE, TILE, D), -1, -2)
+
+
+def untile_keys(k_tiles):
+  """The inverse of `tile_keys`: [B, K, S/16, D, 16] -> [B, K, S, D]."""
+  B, K, n, D, _ = k_tiles.shape
+  return jnp.swapaxes(k_tiles, -1, -2).reshape(B, K, n * TILE, D)
 
 
 def _cpu_id() -> str:
@@ -152,13 +170,14 @@ def supports(k_dtype, v_dtype, mask_heads: int) -> str | None:
   return None
 
 
-def decode_attend(q_BKGD, k_BKDS, v, mask_BS, scale: float,
+def decode_attend(q_BKGD, k_tiles, v, mask_BS, scale: float,
                   k_scale_BKS=None, v_scale_BKS=None):
   """Decode attention of one query token per sequence (module docstring).
 
   Args:
     q_BKGD: queries (cast to float32).
-    k_BKDS: keys transposed; float32, uint16 bfloat16 bits or int8 codes.
+    k_tiles: keys in tiles of 16 slots (`tile_keys`); float32, uint16
+      bfloat16 bits or int8 codes.
     v: values [B, K, S, E], stored as the keys are.
     mask_BS: bool, True where a slot may be attended.
     scale: softmax scale.
@@ -169,26 +188,30 @@ def decode_attend(q_BKGD, k_BKDS, v, mask_BS, scale: float,
     ValueError: shapes or dtypes the kernel does not take.
   """
   B, K, G, D = q_BKGD.shape
-  S = k_BKDS.shape[3]
-  why = supports(k_BKDS.dtype, v.dtype, 1)
+  if k_tiles.ndim != 5 or k_tiles.shape[-1] != TILE:
+    raise ValueError(f"decode_attend: keys {k_tiles.shape} are not in tiles "
+                     f"of {TILE} slots, [B, K, S/{TILE}, D, {TILE}]")
+  S = k_tiles.shape[2] * TILE
+  why = supports(k_tiles.dtype, v.dtype, 1)
   if why:
     raise ValueError(f"decode_attend: {why}")
-  int8 = k_BKDS.dtype == jnp.int8
+  int8 = k_tiles.dtype == jnp.int8
   if (k_scale_BKS is None) == int8 or (v_scale_BKS is None) == int8:
     raise ValueError("decode_attend: per-token scales go with int8 codes, "
                      "and only with them")
   E = v.shape[3]
   want_v = (B, K, S, E)
-  if k_BKDS.shape != (B, K, D, S) or v.shape != want_v:
-    raise ValueError(f"decode_attend: keys {k_BKDS.shape} (want "
-                     f"{(B, K, D, S)}), values {v.shape} (want {want_v})")
+  want_k = (B, K, S // TILE, D, TILE)
+  if k_tiles.shape != want_k or v.shape != want_v:
+    raise ValueError(f"decode_attend: keys {k_tiles.shape} (want {want_k}),"
+                     f" values {v.shape} (want {want_v})")
   if mask_BS.shape != (B, S):
     raise ValueError(f"decode_attend: mask {mask_BS.shape}, want {(B, S)}")
   empty = jnp.zeros((0,), jnp.float32)
   call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((B, K, G, E),
                                                        jnp.float32),
                           vmap_method="sequential")
-  return call(q_BKGD.astype(jnp.float32), k_BKDS,
+  return call(q_BKGD.astype(jnp.float32), k_tiles,
               empty if k_scale_BKS is None else
               k_scale_BKS.astype(jnp.float32), v,
               empty if v_scale_BKS is None else

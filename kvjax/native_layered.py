@@ -2,30 +2,38 @@
 layered view (`kvjax.layered`: one array per layer, keys transposed) whose
 attention is `native_attention.decode_attend` instead of XLA's dots.
 
-  NativeKV   `layered.LayeredKV`'s arrays (float32, bfloat16 bits, int8
-             codes with per-token scales, int4 codes unpacked to int8):
-             keys L × [B, K, H, S] (transposed), values L × [B, K, S, H]
-             for every kind (the layered view transposes int8 values for
-             XLA's integer dot; the kernel reads a value row per slot),
-             read as stored: no float32 copy of a bfloat16 or int8 cache,
-             no [.., S] logits in memory.
+  NativeKV   one array per layer, as `layered.LayeredKV` (float32,
+             bfloat16 bits, int8 codes with per-token scales, int4 codes
+             unpacked to int8), in the kernel's layouts: keys L × [B, K,
+             S/16, H, 16] (tiles of 16 slots, each tile's H × 16 keys
+             contiguous: `native_attention.tile_keys`), values L × [B, K,
+             S, H] for every kind; read as stored: no float32 copy of a
+             bfloat16 or int8 cache, no [.., S] logits in memory.
+
+Why tiles: with keys transposed whole ([H, S] per head, the layered
+view's layout for XLA's `q K^T`), 16 slots' keys are H rows S apart, and
+the kernel reached about half of the read probe's bandwidth on float32;
+in tiles they are one contiguous run (WORKSPACE.md "Quantized caches, and
+the cache-dominated regime").
 
 It is a decode cache kind (`attention.register_decode_cache`) and a decode
 view (`kvjax.decode`'s 'native' layout): the model reads it through the
-protocol, unaware of its layout or its kernel. Writes are the layered
-view's (`layered.write`: an in-place slot update per layer). Every function
+protocol, unaware of its layout or its kernel. A write updates one slot
+per sequence in place (`layered.put_slot`'s forms). Every function
 returns a new cache; none mutates.
 
 What it cannot do, and so `supports` refuses (the plan then picks another
 layout): float16 caches (no kernel conversion), KIVI's per-channel keys,
-eviction or `cache` positions (the layered view's limits), per-head masks,
-and hosts where the kernel did not build (`native_attention.available`).
+eviction or `cache` positions (the layered view's limits), segments
+whose slots are not a multiple of 16, per-head masks, and hosts where the
+kernel did not build (`native_attention.available`).
 Attention probabilities are not formed, so a policy that scores slots
 cannot read it (none runs on a layered view: eviction is 'none').
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import struct
 
@@ -40,12 +48,16 @@ NATIVE_DTYPES = ("float32", "bfloat16", "int8", "int4")
 
 @struct.dataclass
 class NativeKV(layered.LayeredKV):
-  """A `layered.LayeredKV` attended by the native kernel, values [B, K, S,
-  H] for every kind (module docstring)."""
+  """`layered.LayeredKV`'s fields in the kernel's layouts (module
+  docstring): k L × [B, K, S/16, H, 16], v L × [B, K, S, H]."""
 
   @property
   def transposed(self) -> bool:  # values: never transposed
     return False
+
+  @property
+  def capacity(self) -> int:
+    return self.v[0].shape[2]
 
 
 def supports(cache, attend: int) -> str | None:
@@ -54,6 +66,9 @@ def supports(cache, attend: int) -> str | None:
   why = layered.supports(cache, attend)
   if why:
     return why
+  if attend % native_attention.TILE:
+    return (f"attend={attend} slots is not a multiple of "
+            f"{native_attention.TILE} (the kernel's key tiles)")
   if cache.policy.kv_dtype not in NATIVE_DTYPES:
     return (f"kv_dtype={cache.policy.kv_dtype!r} (the native kernel reads "
             f"{NATIVE_DTYPES})")
@@ -74,24 +89,81 @@ def from_cache(cache: cache_lib.KVCache, attend: int) -> NativeKV:
   L = cache.k.shape[0]
   int4 = cache.policy.kv_dtype == "int4"
 
-  def split(arr, transpose=False):
+  def split(arr):
     if arr is None:
       return None
     parts = tuple(arr[l, :, :, :attend] for l in range(L))
     if int4 and arr.ndim == 5:  # payloads: int4 pairs unpacked to int8 codes
       parts = tuple(quant.unpack_int4(x) for x in parts)
-    return tuple(jnp.swapaxes(x, -1, -2) for x in parts) if transpose else (
-        parts)
+    return parts
 
-  return NativeKV(k=split(cache.k, True), v=split(cache.v),
-                  k_scale=split(cache.k_scale), v_scale=split(cache.v_scale),
+  return NativeKV(k=tuple(map(native_attention.tile_keys, split(cache.k))),
+                  v=split(cache.v), k_scale=split(cache.k_scale),
+                  v_scale=split(cache.v_scale),
                   positions=cache.positions[:, :attend], length=cache.length,
                   errors=cache.errors, policy=cache.policy)
 
 
 def into_cache(cache: cache_lib.KVCache, view: NativeKV) -> cache_lib.KVCache:
-  """`cache` with its first S slots, positions and lengths from `view`."""
-  return layered.into_cache(cache, view)
+  """`cache` with its first S slots, positions and lengths from `view` (the
+  inverse of `from_cache`)."""
+  S = view.capacity
+
+  def put(arr, parts):
+    return None if arr is None else arr.at[:, :, :, :S].set(jnp.stack(parts))
+
+  k = tuple(map(native_attention.untile_keys, view.k))
+  v = view.v
+  if view.policy.kv_dtype == "int4":
+    k, v = (tuple(quant.pack_int4(x) for x in k),
+            tuple(quant.pack_int4(x) for x in v))
+  return cache.replace(
+      k=put(cache.k, k), v=put(cache.v, v),
+      k_scale=put(cache.k_scale, view.k_scale),
+      v_scale=put(cache.v_scale, view.v_scale),
+      positions=cache.positions.at[:, :S].set(view.positions),
+      length=view.length, errors=view.errors)
+
+
+def _put_key(tiles, s_B, new_BKH):
+  """tiles [B, K, S/16, H, 16] with slot s_B[b] (tile s // 16, lane s % 16)
+  set to new_BKH[b] for every sequence (s = S: unchanged); in place, as
+  `layered.put_slot`: a scatter from batch 2, an update slice at batch 1."""
+  B, _, n, _, L = tiles.shape
+  if B > 1:
+    return tiles.at[jnp.arange(B), :, s_B // L, :, s_B % L].set(
+        new_BKH, mode="drop")
+  s = jnp.minimum(s_B[0], n * L - 1)
+  start = (0, 0, s // L, 0, s % L)
+  upd = new_BKH[:, :, None, :, None]
+  old = jax.lax.dynamic_slice(tiles, start, upd.shape)
+  return jax.lax.dynamic_update_slice(tiles, jnp.where(s_B[0] < n * L, upd,
+                                                       old), start)
+
+
+def write(view: NativeKV, layer: int, slots_BT, k_BTKH, v_BTKH) -> NativeKV:
+  """Stores one decode token per sequence (T = 1) of static `layer` at
+  `slots` [B, 1] (slot = S: dropped), quantized as the stacked cache
+  stores it."""
+  B, T = slots_BT.shape
+  if T != 1:
+    raise ValueError(f"NativeKV holds decode steps only (T = 1), got T={T}")
+  storage = quant.storage_dtype(view.policy.kv_dtype)
+  s_B = slots_BT[:, 0]
+  new = {}
+  for name, x_BKH in (("k", k_BTKH[:, 0]), ("v", v_BTKH[:, 0])):
+    codes_BKH, scale_BK = quant.quantize(x_BKH, storage)
+    if storage == quant.INT4_PAIRS:  # the view holds int4 codes unpacked
+      codes_BKH = quant.unpack_int4(codes_BKH)
+    arrs = list(getattr(view, name))
+    arrs[layer] = (_put_key(arrs[layer], s_B, codes_BKH) if name == "k" else
+                   layered.put_slot(arrs[layer], s_B, codes_BKH, 2))
+    new[name] = tuple(arrs)
+    if scale_BK is not None:
+      scales = list(getattr(view, name + "_scale"))
+      scales[layer] = layered.put_slot(scales[layer], s_B, scale_BK, 2)
+      new[name + "_scale"] = tuple(scales)
+  return view.replace(**new)
 
 
 def read(view: NativeKV, layer: int, dtype, prefix: int = 0):
@@ -126,5 +198,4 @@ def _attend(q_BTKGH, keys, values, mask_BKTS, scale: float,
 
 
 attention.register_decode_cache(
-    NativeKV, attention.DecodeCache(write=layered.write, read=read,
-                                    attend=_attend))
+    NativeKV, attention.DecodeCache(write=write, read=read, attend=_attend))

@@ -11,7 +11,8 @@
 //
 // Shapes (the dimension alphabet of kvjax.config):
 //   q       f32   [B, K, G, D]   queries, grouped by the kv head serving them
-//   k       T     [B, K, D, S]   keys transposed (T: f32, bf16 bits as u16, s8)
+//   k       T     [B, K, S/16, D, 16]  keys in tiles of 16 slots (T: f32,
+//                                bf16 bits as u16, s8); S a multiple of 16
 //   k_scale f32   [B, K, S]      per-token key scales (s8; else [0])
 //   v       T     [B, K, S, E]   values
 //   v_scale f32   [B, K, S]      per-token value scales (s8; else [0])
@@ -138,31 +139,27 @@ struct Partial {
   std::vector<float> m, l, acc;
 };
 
-// Logits of GN query rows against one block of n slots: lg[g][j] = q_g . k_j.
-// The GN × 16 partial sums stay in registers while the loop walks the D key
-// rows, so each key is loaded once for all rows.
+// Logits of GN query rows against one block of n slots (n a multiple of
+// 16): lg[g][j] = q_g . k_j over keys in tiles of 16 slots, [S/16, D, 16]:
+// a tile's D × 16 keys are contiguous, so the loop streams them in order.
+// The GN × 16 partial sums stay in registers while the loop walks the D
+// key rows, so each key is loaded once for all rows.
 template <int GN, typename KT>
 inline void block_logits(const float* __restrict__ qs, int64_t D,
-                         const KT* __restrict__ k, int64_t S, int64_t b0,
-                         int64_t n, float* __restrict__ lg) {
-  int64_t j0 = 0;
-  for (; j0 + kLanes <= n; j0 += kLanes) {
+                         const KT* __restrict__ k, int64_t b0, int64_t n,
+                         float* __restrict__ lg) {
+  for (int64_t j0 = 0; j0 < n; j0 += kLanes) {
     f16v a[GN];
     for (int g = 0; g < GN; ++g) a[g] = f16v{};
-    const KT* kr = k + b0 + j0;
-    for (int64_t d = 0; d < D; ++d, kr += S) {
+    const KT* kr = k + (b0 + j0) * D;  // the tile of slots b0 + j0 ...
+    for (int64_t d = 0; d < D; ++d, kr += kLanes) {
+      // The next block's keys, a block ahead of the reads (the hardware
+      // prefetcher alone left the loads waiting on memory).
+      __builtin_prefetch(kr + 2 * kBlock * D);
       const f16v kv = load16(kr);
       for (int g = 0; g < GN; ++g) a[g] += qs[g * D + d] * kv;
     }
     for (int g = 0; g < GN; ++g) store16(lg + g * kBlock + j0, a[g]);
-  }
-  for (; j0 < n; ++j0) {  // tail of a block whose length is not a multiple
-    for (int g = 0; g < GN; ++g) {
-      float a = 0.0f;
-      for (int64_t d = 0; d < D; ++d)
-        a += qs[g * D + d] * load1(k[d * S + b0 + j0]);
-      lg[g * kBlock + j0] = a;
-    }
   }
 }
 
@@ -222,6 +219,7 @@ inline void block_values(const float* __restrict__ p,
     for (int g = 0; g < GN; ++g) a[g] = load16(acc + g * E + e0);
     const VT* vr = v + b0 * E + e0;
     for (int64_t j = 0; j < n; ++j, vr += E) {
+      __builtin_prefetch(vr + 2 * kBlock * E);
       const f16v vv = load16(vr);
       for (int g = 0; g < GN; ++g) a[g] += p[g * kBlock + j] * vv;
     }
@@ -255,9 +253,17 @@ void attend_tile(const Logits& logits, const float* __restrict__ k_scale,
       }
 #pragma omp simd
       for (int64_t j = 0; j < n; ++j) row[j] = mk[j] ? row[j] : kLowest;
+      // The block's maximum, 16 lanes at a time (GCC leaves a scalar
+      // max reduction scalar, even under `omp simd`).
+      f16v vmax = f16v{} + kLowest;
+      int64_t j = 0;
+      for (; j + kLanes <= n; j += kLanes) {
+        const f16v x = load16(row + j);
+        vmax = x > vmax ? x : vmax;
+      }
       float bm = kLowest;
-#pragma omp simd reduction(max : bm)
-      for (int64_t j = 0; j < n; ++j) bm = std::max(bm, row[j]);
+      for (int i = 0; i < kLanes; ++i) bm = std::max(bm, vmax[i]);
+      for (; j < n; ++j) bm = std::max(bm, row[j]);
       const float m_new = std::max(m[g], bm);
       const float corr = std::exp(m[g] - m_new);
       if (corr != 1.0f) {
@@ -288,7 +294,7 @@ void gqa_tile(const float* qg, const T* k, const float* k_scale, const T* v,
               float* acc) {
   attend_tile<GN, T>(
       [&](int64_t b0, int64_t n, float* lg) {
-        block_logits<GN, T>(qg, D, k, S, b0, n, lg);
+        block_logits<GN, T>(qg, D, k, b0, n, lg);
       },
       k_scale, v, v_scale, mask, E, s0, s1, m, l, acc);
 }
@@ -376,8 +382,8 @@ void parallel_for(ffi::ThreadPool& pool, int64_t tasks, const F& task) {
     std::this_thread::yield();
 }
 
-// Every (sequence, kv head) pair: GQA (qb null: keys [B, K, D, S], values
-// [B, K, S, E]) or MLA (K = 1: latents k [B, S, D] as keys and values, E =
+// Every (sequence, kv head) pair: GQA (qb null: keys [B, K, S/16, D, 16],
+// values [B, K, S, E]) or MLA (K = 1: latents k [B, S, D] as keys and values, E =
 // D, rotary keys v [B, S, R] for the rotary queries qb [B, G, R]).
 template <typename T>
 void attend_all(ffi::ThreadPool& pool, const float* q, const float* qb,
@@ -391,7 +397,8 @@ void attend_all(ffi::ThreadPool& pool, const float* q, const float* qb,
   const int64_t pairs = B * K;
   int64_t chunks = std::max<int64_t>(1, (2 * threads + pairs - 1) / pairs);
   chunks = std::min<int64_t>(chunks, std::max<int64_t>(1, S / (4 * kBlock)));
-  const int64_t chunk = (S + chunks - 1) / chunks;
+  // A multiple of 16 slots: GQA keys come in tiles of 16.
+  const int64_t chunk = (S + 16 * chunks - 1) / (16 * chunks) * 16;
   const int64_t v_pair = S * (qb != nullptr ? R : E);
   std::vector<Partial> parts(pairs * chunks);
   parallel_for(pool, pairs * chunks, [&](int64_t t) {
@@ -445,12 +452,14 @@ static ffi::Error DecodeAttentionImpl(
     ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::PRED> mask,
     ffi::ResultBuffer<ffi::F32> out, float scale) {
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4)
-    return ffi::Error::InvalidArgument("q, k, v must be rank 4");
-  const int64_t B = qd[0], K = qd[1], G = qd[2], D = qd[3], S = kd[3];
-  const int64_t E = vd[3];
-  if (kd[0] != B || kd[1] != K || kd[2] != D)
-    return ffi::Error::InvalidArgument("k must be [B, K, D, S]");
+  if (qd.size() != 4 || vd.size() != 4)
+    return ffi::Error::InvalidArgument("q and v must be rank 4");
+  if (kd.size() != 5 || kd[4] != kLanes)
+    return ffi::Error::InvalidArgument("k must be [B, K, S/16, D, 16]");
+  const int64_t B = qd[0], K = qd[1], G = qd[2], D = qd[3];
+  const int64_t S = kd[2] * kLanes, E = vd[3];
+  if (kd[0] != B || kd[1] != K || kd[3] != D)
+    return ffi::Error::InvalidArgument("k must be [B, K, S/16, D, 16]");
   if (vd[0] != B || vd[1] != K || vd[2] != S)
     return ffi::Error::InvalidArgument("v must be [B, K, S, E]");
   if (k.element_type() != v.element_type())
