@@ -109,6 +109,30 @@ inline f16v load16(const int8_t* p) {
 }
 inline void store16(float* p, f16v x) { std::memcpy(p, &x, sizeof(x)); }
 
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+constexpr float kLowest = std::numeric_limits<float>::lowest();
+
+// 16 logits as the softmax reads them: times their keys' scales (int8),
+// masked slots at the lowest float; folds them into the running maximum.
+// Done in registers, before the logits are stored, so the softmax needs
+// one pass over them instead of four.
+inline f16v finish16(f16v a, const float* k_scale, const bool* mask,
+                     f16v& vmax) {
+  if (k_scale != nullptr) a *= load16(k_scale);
+  u8x16 mk;
+  std::memcpy(&mk, mask, sizeof(mk));
+  const i32x16 keep = __builtin_convertvector(mk, i32x16);
+  a = keep != 0 ? a : f16v{} + kLowest;
+  vmax = a > vmax ? a : vmax;
+  return a;
+}
+
+inline float hmax(f16v x) {
+  float m = kLowest;
+  for (int i = 0; i < 16; ++i) m = std::max(m, x[i]);
+  return m;
+}
+
 // exp(x) for x <= 0 in a form the compiler vectorizes (std::exp is a scalar
 // call, and a step takes G exponentials per cached slot): 2^n · p(r) with
 // n = round(x / ln 2), r = x - n ln 2 in two parts (Cody-Waite), p a
@@ -146,21 +170,55 @@ struct Partial {
 // key rows, so each key is loaded once for all rows.
 template <int GN, typename KT>
 inline void block_logits(const float* __restrict__ qs, int64_t D,
-                         const KT* __restrict__ k, int64_t b0, int64_t n,
-                         float* __restrict__ lg) {
-  for (int64_t j0 = 0; j0 < n; j0 += kLanes) {
+                         const KT* __restrict__ k,
+                         const float* __restrict__ k_scale,
+                         const bool* __restrict__ mask, int64_t b0, int64_t n,
+                         float* __restrict__ lg, float* __restrict__ bm) {
+  f16v vmax[GN];
+  for (int g = 0; g < GN; ++g) vmax[g] = f16v{} + kLowest;
+  const float* ks = k_scale != nullptr ? k_scale + b0 : nullptr;
+  int64_t j0 = 0;
+  // Two tiles at a time: 2 × GN independent sums, enough to hide the
+  // multiply-add latency (GN alone left the loop waiting on it).
+  for (; j0 + 2 * kLanes <= n; j0 += 2 * kLanes) {
+    f16v a[GN], c[GN];
+    for (int g = 0; g < GN; ++g) a[g] = c[g] = f16v{};
+    const KT* kr = k + (b0 + j0) * D;  // the tiles of slots b0 + j0 ...
+    for (int64_t d = 0; d < D; ++d, kr += kLanes) {
+      // Two blocks ahead of the reads (the hardware prefetcher alone left
+      // the loads waiting on memory).
+      __builtin_prefetch(kr + 2 * kBlock * D);
+      __builtin_prefetch(kr + 2 * kBlock * D + kLanes * D);
+      const f16v k0 = load16(kr), k1 = load16(kr + kLanes * D);
+      for (int g = 0; g < GN; ++g) {
+        const float qd = qs[g * D + d];
+        a[g] += qd * k0;
+        c[g] += qd * k1;
+      }
+    }
+    for (int g = 0; g < GN; ++g) {
+      store16(lg + g * kBlock + j0,
+              finish16(a[g], ks != nullptr ? ks + j0 : nullptr,
+                       mask + b0 + j0, vmax[g]));
+      store16(lg + g * kBlock + j0 + kLanes,
+              finish16(c[g], ks != nullptr ? ks + j0 + kLanes : nullptr,
+                       mask + b0 + j0 + kLanes, vmax[g]));
+    }
+  }
+  for (; j0 < n; j0 += kLanes) {  // an odd tile at the block's end
     f16v a[GN];
     for (int g = 0; g < GN; ++g) a[g] = f16v{};
-    const KT* kr = k + (b0 + j0) * D;  // the tile of slots b0 + j0 ...
+    const KT* kr = k + (b0 + j0) * D;
     for (int64_t d = 0; d < D; ++d, kr += kLanes) {
-      // The next block's keys, a block ahead of the reads (the hardware
-      // prefetcher alone left the loads waiting on memory).
-      __builtin_prefetch(kr + 2 * kBlock * D);
       const f16v kv = load16(kr);
       for (int g = 0; g < GN; ++g) a[g] += qs[g * D + d] * kv;
     }
-    for (int g = 0; g < GN; ++g) store16(lg + g * kBlock + j0, a[g]);
+    for (int g = 0; g < GN; ++g)
+      store16(lg + g * kBlock + j0,
+              finish16(a[g], ks != nullptr ? ks + j0 : nullptr,
+                       mask + b0 + j0, vmax[g]));
   }
+  for (int g = 0; g < GN; ++g) bm[g] = hmax(vmax[g]);
 }
 
 inline float hsum(f16v x) {
@@ -182,8 +240,11 @@ template <int GN, typename T>
 inline void block_logits_rows(const float* __restrict__ qa, int64_t A,
                               const float* __restrict__ qb, int64_t R,
                               const T* __restrict__ a,
-                              const T* __restrict__ b, int64_t b0, int64_t n,
-                              float* __restrict__ lg) {
+                              const T* __restrict__ b,
+                              const bool* __restrict__ mask, int64_t b0,
+                              int64_t n, float* __restrict__ lg,
+                              float* __restrict__ bm) {
+  for (int g = 0; g < GN; ++g) bm[g] = kLowest;
   for (int64_t j = 0; j < n; ++j) {
     const T* aj = a + (b0 + j) * A;
     const T* bj = b + (b0 + j) * R;
@@ -204,7 +265,11 @@ inline void block_logits_rows(const float* __restrict__ qa, int64_t A,
     }
     for (; e < R; ++e)
       for (int g = 0; g < GN; ++g) tail[g] += qb[g * R + e] * load1(bj[e]);
-    for (int g = 0; g < GN; ++g) lg[g * kBlock + j] = hsum(acc[g]) + tail[g];
+    for (int g = 0; g < GN; ++g) {
+      const float x = mask[b0 + j] ? hsum(acc[g]) + tail[g] : kLowest;
+      lg[g * kBlock + j] = x;
+      bm[g] = std::max(bm[g], x);
+    }
   }
 }
 
@@ -215,15 +280,28 @@ inline void block_values(const float* __restrict__ p,
                          int64_t n, float* __restrict__ acc) {
   int64_t e0 = 0;
   for (; e0 + kLanes <= E; e0 += kLanes) {
-    f16v a[GN];
-    for (int g = 0; g < GN; ++g) a[g] = load16(acc + g * E + e0);
+    // Even and odd slots into separate sums (the multiply-add latency).
+    f16v a[GN], c[GN];
+    for (int g = 0; g < GN; ++g) {
+      a[g] = load16(acc + g * E + e0);
+      c[g] = f16v{};
+    }
     const VT* vr = v + b0 * E + e0;
-    for (int64_t j = 0; j < n; ++j, vr += E) {
+    int64_t j = 0;
+    for (; j + 2 <= n; j += 2, vr += 2 * E) {
       __builtin_prefetch(vr + 2 * kBlock * E);
+      __builtin_prefetch(vr + 2 * kBlock * E + E);
+      const f16v v0 = load16(vr), v1 = load16(vr + E);
+      for (int g = 0; g < GN; ++g) {
+        a[g] += p[g * kBlock + j] * v0;
+        c[g] += p[g * kBlock + j + 1] * v1;
+      }
+    }
+    for (; j < n; ++j, vr += E) {
       const f16v vv = load16(vr);
       for (int g = 0; g < GN; ++g) a[g] += p[g * kBlock + j] * vv;
     }
-    for (int g = 0; g < GN; ++g) store16(acc + g * E + e0, a[g]);
+    for (int g = 0; g < GN; ++g) store16(acc + g * E + e0, a[g] + c[g]);
   }
   for (; e0 < E; ++e0)  // channels past the last multiple of 16
     for (int g = 0; g < GN; ++g)
@@ -234,54 +312,41 @@ inline void block_values(const float* __restrict__ p,
 // One tile of GN query rows over slots [s0, s1): the online softmax.
 // logits(b0, n, lg) fills lg[g][j] for the block's n slots from b0.
 template <int GN, typename T, typename Logits>
-void attend_tile(const Logits& logits, const float* __restrict__ k_scale,
-                 const T* __restrict__ v, const float* __restrict__ v_scale,
-                 const bool* __restrict__ mask, int64_t E, int64_t s0,
+void attend_tile(const Logits& logits, const T* __restrict__ v,
+                 const float* __restrict__ v_scale, int64_t E, int64_t s0,
                  int64_t s1, float* __restrict__ m, float* __restrict__ l,
                  float* __restrict__ acc) {
-  constexpr float kLowest = std::numeric_limits<float>::lowest();
   alignas(64) float lg[GN * kBlock];
+  float bm[GN];
   for (int64_t b0 = s0; b0 < s1; b0 += kBlock) {
     const int64_t n = std::min(kBlock, s1 - b0);
-    logits(b0, n, lg);
-    const uint8_t* mk = reinterpret_cast<const uint8_t*>(mask + b0);
+    logits(b0, n, lg, bm);  // scaled, masked, and each row's maximum
     for (int g = 0; g < GN; ++g) {
       float* row = lg + g * kBlock;
-      if (k_scale != nullptr) {
-#pragma omp simd
-        for (int64_t j = 0; j < n; ++j) row[j] *= k_scale[b0 + j];
-      }
-#pragma omp simd
-      for (int64_t j = 0; j < n; ++j) row[j] = mk[j] ? row[j] : kLowest;
-      // The block's maximum, 16 lanes at a time (GCC leaves a scalar
-      // max reduction scalar, even under `omp simd`).
-      f16v vmax = f16v{} + kLowest;
-      int64_t j = 0;
-      for (; j + kLanes <= n; j += kLanes) {
-        const f16v x = load16(row + j);
-        vmax = x > vmax ? x : vmax;
-      }
-      float bm = kLowest;
-      for (int i = 0; i < kLanes; ++i) bm = std::max(bm, vmax[i]);
-      for (; j < n; ++j) bm = std::max(bm, row[j]);
-      const float m_new = std::max(m[g], bm);
+      const float m_new = std::max(m[g], bm[g]);
       const float corr = std::exp(m[g] - m_new);
       if (corr != 1.0f) {
         l[g] *= corr;
         for (int64_t e = 0; e < E; ++e) acc[g * E + e] *= corr;
       }
       float sum = 0.0f;
+      if (v_scale != nullptr) {  // each token's value scale, into its weight
+        const float* vs = v_scale + b0;
 #pragma omp simd reduction(+ : sum)
-      for (int64_t j = 0; j < n; ++j) {
-        row[j] = exp_nonpositive(row[j] - m_new);
-        sum += row[j];
+        for (int64_t j = 0; j < n; ++j) {
+          const float p = exp_nonpositive(row[j] - m_new);
+          sum += p;
+          row[j] = p * vs[j];
+        }
+      } else {
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < n; ++j) {
+          row[j] = exp_nonpositive(row[j] - m_new);
+          sum += row[j];
+        }
       }
       l[g] += sum;
       m[g] = m_new;
-      if (v_scale != nullptr) {  // each token's value scale, into its weight
-#pragma omp simd
-        for (int64_t j = 0; j < n; ++j) row[j] *= v_scale[b0 + j];
-      }
     }
     block_values<GN, T>(lg, v, E, b0, n, acc);
   }
@@ -293,10 +358,10 @@ void gqa_tile(const float* qg, const T* k, const float* k_scale, const T* v,
               int64_t S, int64_t s0, int64_t s1, float* m, float* l,
               float* acc) {
   attend_tile<GN, T>(
-      [&](int64_t b0, int64_t n, float* lg) {
-        block_logits<GN, T>(qg, D, k, b0, n, lg);
+      [&](int64_t b0, int64_t n, float* lg, float* bm) {
+        block_logits<GN, T>(qg, D, k, k_scale, mask, b0, n, lg, bm);
       },
-      k_scale, v, v_scale, mask, E, s0, s1, m, l, acc);
+      v, v_scale, E, s0, s1, m, l, acc);
 }
 
 template <int GN, typename T>
@@ -304,10 +369,10 @@ void latent_tile(const float* qa, const float* qb, const T* a, const T* b,
                  const bool* mask, int64_t A, int64_t R, int64_t s0,
                  int64_t s1, float* m, float* l, float* acc) {
   attend_tile<GN, T>(
-      [&](int64_t b0, int64_t n, float* lg) {
-        block_logits_rows<GN, T>(qa, A, qb, R, a, b, b0, n, lg);
+      [&](int64_t b0, int64_t n, float* lg, float* bm) {
+        block_logits_rows<GN, T>(qa, A, qb, R, a, b, mask, b0, n, lg, bm);
       },
-      nullptr, a, nullptr, mask, A, s0, s1, m, l, acc);
+      a, nullptr, A, s0, s1, m, l, acc);
 }
 
 // Dispatches a query tile of gn <= kRows rows to its register width.
@@ -336,20 +401,26 @@ void attend_range(const float* q, const float* qb, const T* k,
   std::vector<float> qs(G * D), qbs(qb != nullptr ? G * R : 0);
   for (int64_t i = 0; i < G * D; ++i) qs[i] = q[i] * scale;
   for (size_t i = 0; i < qbs.size(); ++i) qbs[i] = qb[i] * scale;
-  for (int64_t g0 = 0; g0 < G; g0 += kRows) {
-    float* m = out.m.data() + g0;
-    float* l = out.l.data() + g0;
-    float* acc = out.acc.data() + g0 * E;
-    by_rows(std::min<int64_t>(kRows, G - g0), [&](auto gn) {
-      constexpr int GN = decltype(gn)::value;
-      if (qb != nullptr) {
-        latent_tile<GN, T>(qs.data() + g0 * D, qbs.data() + g0 * R, k, v,
-                           mask, D, R, s0, s1, m, l, acc);
-      } else {
-        gqa_tile<GN, T>(qs.data() + g0 * D, k, k_scale, v, v_scale, mask, D,
-                        E, S, s0, s1, m, l, acc);
-      }
-    });
+  // Blocks outside, query tiles inside: a block's keys and values come
+  // from memory once and stay in cache for the other tiles of its rows
+  // (MQA's and MLA's G = 8 rows are two tiles).
+  for (int64_t b0 = s0; b0 < s1; b0 += kBlock) {
+    const int64_t b1 = std::min(s1, b0 + kBlock);
+    for (int64_t g0 = 0; g0 < G; g0 += kRows) {
+      float* m = out.m.data() + g0;
+      float* l = out.l.data() + g0;
+      float* acc = out.acc.data() + g0 * E;
+      by_rows(std::min<int64_t>(kRows, G - g0), [&](auto gn) {
+        constexpr int GN = decltype(gn)::value;
+        if (qb != nullptr) {
+          latent_tile<GN, T>(qs.data() + g0 * D, qbs.data() + g0 * R, k, v,
+                             mask, D, R, b0, b1, m, l, acc);
+        } else {
+          gqa_tile<GN, T>(qs.data() + g0 * D, k, k_scale, v, v_scale, mask,
+                          D, E, S, b0, b1, m, l, acc);
+        }
+      });
+    }
   }
 }
 
