@@ -53,7 +53,13 @@ namespace {
 
 constexpr int64_t kBlock = 128;  // slots per block: logits [G, 128] in L1
 constexpr int64_t kLanes = 16;   // slots (or value channels) per vector
-constexpr int kRows = 4;         // query rows per register tile
+// Query rows per register tile: 8 where AVX-512's 32 registers hold their
+// 2 × 8 accumulators (MQA's and MLA's G = 8 rows in one pass), else 4.
+#if defined(__AVX512F__)
+constexpr int kRows = 8;
+#else
+constexpr int kRows = 4;
+#endif
 
 // Sixteen float32 lanes (GCC / Clang vector extensions: one AVX-512
 // register, two AVX ones, four SSE ones; the kernel builds on any of them).
@@ -379,6 +385,12 @@ void latent_tile(const float* qa, const float* qb, const T* a, const T* b,
 template <typename F>
 void by_rows(int64_t gn, const F& f) {
   switch (gn) {
+#if defined(__AVX512F__)
+    case 8: f(std::integral_constant<int, 8>()); break;
+    case 7: f(std::integral_constant<int, 7>()); break;
+    case 6: f(std::integral_constant<int, 6>()); break;
+    case 5: f(std::integral_constant<int, 5>()); break;
+#endif
     case 4: f(std::integral_constant<int, 4>()); break;
     case 3: f(std::integral_constant<int, 3>()); break;
     case 2: f(std::integral_constant<int, 2>()); break;
