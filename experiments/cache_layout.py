@@ -11,10 +11,11 @@ layered, native.
 
 For each context: decode loops of --steps steps from a cache holding that
 many tokens, for every kv dtype × layout the cache can take
-(`kvjax.decode.plan` refuses the others: blocked is float GQA only), timed in
+(`kvjax.decode.plan` refuses the others: blocked is float GQA only, native
+the kinds its kernels read), timed in
 alternating rounds in one process (`bm.decode_layouts_alternating`). The
-ratios decide `kvjax.decode`'s 'auto' choice (LAYERED_MIN_BATCH,
-LAYERED_MIN_SLOTS). Prints a line per combination (stdout), appends it to
+ratios decide `kvjax.decode`'s 'auto' choice (native wherever it runs;
+without it LAYERED_MIN_BATCH, LAYERED_MIN_SLOTS). Prints a line per combination (stdout), appends it to
 cache_layout.jsonl; writes cache_layout.json at the end.
 """
 
@@ -27,6 +28,7 @@ import jax
 import kvjax
 from kvjax import cli
 from kvjax import configs as cfg_lib
+from kvjax import native_latent
 from kvjax import native_layered
 from kvjax.lab import benchmarking as bm
 from configs import model as presets
@@ -57,13 +59,15 @@ def main(argv):
     config = cfg_lib.model_config(presets.get_config(_PRESET.value).model)
   # blocked views hold float GQA caches only; MLA's latents are stacked or
   # layered (`kvjax.layered_latent`).
-  # native: the GQA family's float32 / bfloat16 / int8 / int4 caches.
+  # native: the GQA family's float32 / bfloat16 / int8 / int4 caches, MLA's
+  # float32 / bfloat16 latents.
+  native_kinds = (native_latent.NATIVE_LATENT_DTYPES
+                  if config.attention == "mla" else
+                  native_layered.NATIVE_DTYPES)
   combos = [(k, lay) for k in _DTYPES.value for lay in _LAYOUTS.value
             if not (lay == "blocked" and (bm.cache_policy(k).quantized or
                                           config.attention == "mla"))
-            and not (lay == "native" and (
-                config.attention == "mla" or
-                k not in native_layered.NATIVE_DTYPES))]
+            and not (lay == "native" and k not in native_kinds)]
   # Packed params (`kvjax.pack`): the views need per-layer arrays, which
   # `generate` gives only from PACK_MIN_WIDTH on; every layout reads them.
   params = kvjax.pack(kvjax.init_params(config, jax.random.key(0)), config)

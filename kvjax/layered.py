@@ -157,6 +157,44 @@ def segment_limits(policy: cache_lib.CachePolicy, capacity: int,
   return None
 
 
+def layer_slices(arr, attend: int):
+  """A stacked cache array's first `attend` slots as one array per layer
+  (slot axis 3 of [L, B, K, S, ...]), int4 payloads unpacked to one int8
+  code each; None stays None. What the per-layer views hold, before their
+  own layouts."""
+  if arr is None:
+    return None
+  parts = tuple(arr[l, :, :, :attend] for l in range(arr.shape[0]))
+  if arr.dtype == quant.INT4_PAIRS:
+    parts = tuple(quant.unpack_int4(x) for x in parts)
+  return parts
+
+
+def write_back(cache: cache_lib.KVCache, view, k_parts, v_parts
+               ) -> cache_lib.KVCache:
+  """`cache` with its first S slots set from a per-layer view: keys and
+  values per layer as [B, K, S, H] codes (int4 packed back into pairs),
+  the view's scales, positions, lengths and errors."""
+  S = v_parts[0].shape[2]
+
+  def put(arr, parts):
+    return None if arr is None else arr.at[:, :, :, :S].set(jnp.stack(parts))
+
+  if view.policy.kv_dtype == "int4":
+    k_parts, v_parts = (tuple(quant.pack_int4(x) for x in k_parts),
+                        tuple(quant.pack_int4(x) for x in v_parts))
+  return cache.replace(
+      k=put(cache.k, k_parts), v=put(cache.v, v_parts),
+      k_scale=put(cache.k_scale, view.k_scale),
+      v_scale=put(cache.v_scale, view.v_scale),
+      positions=cache.positions.at[:, :S].set(view.positions),
+      length=view.length, errors=view.errors)
+
+
+def _swap(parts):
+  return tuple(jnp.swapaxes(x, -1, -2) for x in parts)
+
+
 def from_cache(cache: cache_lib.KVCache, attend: int) -> LayeredKV:
   """The first `attend` slots of `cache` as a LayeredKV.
 
@@ -166,22 +204,11 @@ def from_cache(cache: cache_lib.KVCache, attend: int) -> LayeredKV:
   why = supports(cache, attend)
   if why:
     raise ValueError(f"layered decode cache: {why}")
-  L = cache.k.shape[0]
-
-  int4 = cache.policy.kv_dtype == "int4"
-
-  def split(arr, transpose=False):
-    if arr is None:
-      return None
-    parts = tuple(arr[l, :, :, :attend] for l in range(L))
-    if int4 and transpose:  # payloads: int4 pairs unpacked to int8 codes
-      parts = tuple(quant.unpack_int4(x) for x in parts)
-    return tuple(jnp.swapaxes(x, -1, -2) for x in parts) if transpose else (
-        parts)
-
-  transpose = cache.policy.kv_dtype in TRANSPOSED
-  return LayeredKV(k=split(cache.k, True), v=split(cache.v, transpose),
-                   k_scale=split(cache.k_scale), v_scale=split(cache.v_scale),
+  v = layer_slices(cache.v, attend)
+  return LayeredKV(k=_swap(layer_slices(cache.k, attend)),
+                   v=_swap(v) if cache.policy.kv_dtype in TRANSPOSED else v,
+                   k_scale=layer_slices(cache.k_scale, attend),
+                   v_scale=layer_slices(cache.v_scale, attend),
                    positions=cache.positions[:, :attend], length=cache.length,
                    errors=cache.errors, policy=cache.policy)
 
@@ -190,24 +217,8 @@ def into_cache(cache: cache_lib.KVCache, layered: LayeredKV
                ) -> cache_lib.KVCache:
   """`cache` with its first S slots (the layered cache's), positions and
   lengths taken from `layered` (the inverse of `from_cache`)."""
-  S = layered.capacity
-
-  def put(arr, parts):
-    return None if arr is None else arr.at[:, :, :, :S].set(jnp.stack(parts))
-
-  k = tuple(jnp.swapaxes(x, -1, -2) for x in layered.k)
-  v = layered.v
-  if layered.transposed:
-    v = tuple(jnp.swapaxes(x, -1, -2) for x in v)
-  if layered.policy.kv_dtype == "int4":
-    k, v = (tuple(quant.pack_int4(x) for x in k),
-            tuple(quant.pack_int4(x) for x in v))
-  return cache.replace(
-      k=put(cache.k, k), v=put(cache.v, v),
-      k_scale=put(cache.k_scale, layered.k_scale),
-      v_scale=put(cache.v_scale, layered.v_scale),
-      positions=cache.positions.at[:, :S].set(layered.positions),
-      length=layered.length, errors=layered.errors)
+  v = _swap(layered.v) if layered.transposed else layered.v
+  return write_back(cache, layered, _swap(layered.k), v)
 
 
 def write(layered: LayeredKV, layer: int, slots_BT, k_BTKH, v_BTKH

@@ -86,43 +86,21 @@ def from_cache(cache: cache_lib.KVCache, attend: int) -> NativeKV:
   why = supports(cache, attend)
   if why:
     raise ValueError(f"native decode cache: {why}")
-  L = cache.k.shape[0]
-  int4 = cache.policy.kv_dtype == "int4"
-
-  def split(arr):
-    if arr is None:
-      return None
-    parts = tuple(arr[l, :, :, :attend] for l in range(L))
-    if int4 and arr.ndim == 5:  # payloads: int4 pairs unpacked to int8 codes
-      parts = tuple(quant.unpack_int4(x) for x in parts)
-    return parts
-
-  return NativeKV(k=tuple(map(native_attention.tile_keys, split(cache.k))),
-                  v=split(cache.v), k_scale=split(cache.k_scale),
-                  v_scale=split(cache.v_scale),
-                  positions=cache.positions[:, :attend], length=cache.length,
-                  errors=cache.errors, policy=cache.policy)
+  return NativeKV(
+      k=tuple(map(native_attention.tile_keys,
+                  layered.layer_slices(cache.k, attend))),
+      v=layered.layer_slices(cache.v, attend),
+      k_scale=layered.layer_slices(cache.k_scale, attend),
+      v_scale=layered.layer_slices(cache.v_scale, attend),
+      positions=cache.positions[:, :attend], length=cache.length,
+      errors=cache.errors, policy=cache.policy)
 
 
 def into_cache(cache: cache_lib.KVCache, view: NativeKV) -> cache_lib.KVCache:
   """`cache` with its first S slots, positions and lengths from `view` (the
   inverse of `from_cache`)."""
-  S = view.capacity
-
-  def put(arr, parts):
-    return None if arr is None else arr.at[:, :, :, :S].set(jnp.stack(parts))
-
-  k = tuple(map(native_attention.untile_keys, view.k))
-  v = view.v
-  if view.policy.kv_dtype == "int4":
-    k, v = (tuple(quant.pack_int4(x) for x in k),
-            tuple(quant.pack_int4(x) for x in v))
-  return cache.replace(
-      k=put(cache.k, k), v=put(cache.v, v),
-      k_scale=put(cache.k_scale, view.k_scale),
-      v_scale=put(cache.v_scale, view.v_scale),
-      positions=cache.positions.at[:, :S].set(view.positions),
-      length=view.length, errors=view.errors)
+  return layered.write_back(
+      cache, view, tuple(map(native_attention.untile_keys, view.k)), view.v)
 
 
 def _put_key(tiles, s_B, new_BKH):

@@ -84,3 +84,14 @@ def product(slow=None, **axes):
 def variants(variants=model_presets.VARIANTS, fast=FAST_VARIANTS):
   """One case per attention variant; those outside `fast` are slow."""
   return product(variant=variants, slow=lambda variant: variant not in fast)
+
+
+def without_native_kernel(test) -> None:
+  """For the rest of `test` (a TestCase, from its setUp), the native decode
+  kernel counts as not built: `decode.plan` picks among the XLA views, as
+  on a host without a C++ compiler."""
+  from unittest import mock  # pylint: disable=g-import-not-at-top
+  from kvjax import native_attention  # pylint: disable=g-import-not-at-top
+  patch = mock.patch.object(native_attention, "available", lambda: False)
+  patch.start()
+  test.addCleanup(patch.stop)

@@ -237,10 +237,10 @@ class DecodeStepsTest(parameterized.TestCase):
     self.assertEqual(probe["nbytes"], 1 << 20)
     self.assertGreater(probe["bytes_per_s"], 0)
     self.assertEqual(list(out), ["float32", "int8", "int4"])
-    # The layouts generate would read: float32 stacked at batch 2, the
-    # quantized kinds layered.
+    # The layouts generate would read: the native kernel's view for every
+    # kind it reads (`decode.plan`).
     self.assertEqual([out[k]["layout"] for k in out],
-                     ["stacked", "layered", "layered"])
+                     ["native", "native", "native"])
     self.assertEqual(out["float32"]["rounds"], (1.0, 1.0))
     for k, t in out.items():
       self.assertLen(t["rounds"], 2)

@@ -16,8 +16,6 @@ batch and float caches layered in long segments of batched decode; where
 'layered' cannot run it raises naming the reason.
 """
 
-from unittest import mock
-
 from absl.testing import absltest
 from absl.testing import parameterized
 import chex
@@ -31,7 +29,6 @@ from kvjax import cache as cache_lib
 from kvjax import decode
 from kvjax import inference
 from kvjax import layered
-from kvjax import native_attention
 from kvjax import quant
 from kvjax.lab import streaming
 from kvjax.tolerance import assert_close
@@ -277,9 +274,7 @@ class PlanTest(parameterized.TestCase):
 
   def setUp(self):
     super().setUp()
-    patch = mock.patch.object(native_attention, "available", lambda: False)
-    patch.start()
-    self.addCleanup(patch.stop)
+    cases.without_native_kernel(self)
 
   def _plan(self, kind="gqa", batch=8, dtype="float32", layout="packed",
             decode_layout="auto", prompt=32, steps=200, capacity=8192,

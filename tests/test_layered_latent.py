@@ -2,8 +2,6 @@
 one array per layer equals the stacked latent cache bit for bit, and the
 decode loop reads it only where it can."""
 
-from unittest import mock
-
 from absl.testing import absltest
 from absl.testing import parameterized
 import jax
@@ -17,7 +15,6 @@ from kvjax import inference
 from kvjax import layered
 from kvjax import layered_latent
 from kvjax import mla
-from kvjax import native_attention
 from kvjax import quant
 from kvjax.tolerance import assert_close
 import cases
@@ -201,9 +198,7 @@ class PlanTest(parameterized.TestCase):
 
   def setUp(self):
     super().setUp()
-    patch = mock.patch.object(native_attention, "available", lambda: False)
-    patch.start()
-    self.addCleanup(patch.stop)
+    cases.without_native_kernel(self)
 
   def _plan(self, decode_layout="auto", batch=8, dtype="float32",
             prompt=1000, steps=2500, capacity=8192, pack=True):
