@@ -348,6 +348,18 @@ def main(argv):
   if too_long:
     raise ValueError(f"lengths {too_long} exceed the model's max_seq_len="
                      f"{config.max_seq_len}")
+  # Every policy must fit this model's cache before anything runs (e.g. a
+  # per-kv-head policy on MLA's shared latent is refused by init_cache).
+  for s in specs:
+    for b in budgets:
+      for n in lengths:
+        cap = s.capacity(b, n, 1)
+        try:
+          task_eval.sequence_kv_bytes(config, s.at(cap), cap)
+        except ValueError as e:
+          raise ValueError(f"policy {s.name!r} cannot run on this model "
+                           f"({config.variant}): {e}; leave it out of "
+                           "--policies") from None
   haystack = tasks.load_haystack("validation", _DATA_DIR.value)
   draws = {name: [tasks.task_set(name, lengths, depths, _SAMPLES.value,
                                  _SEED.value + SEED_STRIDE * i, haystack)

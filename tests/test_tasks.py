@@ -874,6 +874,19 @@ class ExperimentTest(absltest.TestCase):
           capture_output=True, text=True, timeout=300)
       self.assertNotEqual(proc.returncode, 0)
       self.assertIn(message, proc.stderr)
+    # A policy the model's cache cannot hold (per kv head on MLA's shared
+    # latent) is refused before any example runs, naming the policy.
+    proc = subprocess.run(
+        [sys.executable, "experiments/policy_eval.py",
+         f"--workdir={self.create_tempdir().full_path}",
+         "--checkpoint=checkpoints/tasks-mla-passkey", "--policies=full,snapkv",
+         "--kv_dtypes=float32", "--budgets=0.5"], cwd=root,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
+        text=True, timeout=300)
+    self.assertNotEqual(proc.returncode, 0)
+    self.assertIn("policy 'snapkv' cannot run on this model (mla)",
+                  proc.stderr)
+    self.assertNotIn("exact", proc.stderr)  # nothing was scored
 
 
 if __name__ == "__main__":
