@@ -68,6 +68,7 @@ LATENT_TARGET = "kvjax_latent_attention"
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared",
          "-fPIC", "-w")
 KEY_DTYPES = (jnp.dtype(jnp.float32), quant.BF16_BITS, jnp.dtype(jnp.int8))
+LATENT_DTYPES = (jnp.dtype(jnp.float32), quant.BF16_BITS)  # MLA's latents
 TILE = 16  # slots per key tile (the kernel's register width)
 
 
@@ -159,14 +160,13 @@ def available() -> bool:
   return True
 
 
-def supports(k_dtype, v_dtype, mask_heads: int) -> str | None:
-  """Why the kernel cannot attend these operands (None when it can)."""
+def supports(k_dtype, v_dtype) -> str | None:
+  """Why the kernel cannot attend keys and values of these dtypes (None
+  when it can)."""
   k_dtype, v_dtype = jnp.dtype(k_dtype), jnp.dtype(v_dtype)
   if k_dtype not in KEY_DTYPES or v_dtype != k_dtype:
     return (f"keys {k_dtype} / values {v_dtype}: the kernel reads float32, "
             "bfloat16 bits or int8 codes, the same for both")
-  if mask_heads != 1:
-    return "a per-head mask (scoped eviction)"
   return None
 
 
@@ -192,7 +192,7 @@ def decode_attend(q_BKGD, k_tiles, v, mask_BS, scale: float,
     raise ValueError(f"decode_attend: keys {k_tiles.shape} are not in tiles "
                      f"of {TILE} slots, [B, K, S/{TILE}, D, {TILE}]")
   S = k_tiles.shape[2] * TILE
-  why = supports(k_tiles.dtype, v.dtype, 1)
+  why = supports(k_tiles.dtype, v.dtype)
   if why:
     raise ValueError(f"decode_attend: {why}")
   int8 = k_tiles.dtype == jnp.int8
@@ -218,8 +218,6 @@ def decode_attend(q_BKGD, k_tiles, v, mask_BS, scale: float,
               v_scale_BKS.astype(jnp.float32), mask_BS.astype(jnp.bool_),
               scale=np.float32(scale))
 
-
-LATENT_DTYPES = (jnp.dtype(jnp.float32), quant.BF16_BITS)
 
 
 def latent_attend(q_lat_BNC, q_rope_BNR, c_BSC, r_BSR, mask_BS,
