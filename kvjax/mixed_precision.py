@@ -16,7 +16,9 @@ float32 accumulation than in float32 (WORKSPACE.md "Training speed").
 How: the function is traced to a jaxpr and re-evaluated with each
 `dot_general` whose operands are both float32 replaced by `bf16_dot`, a
 `jax.custom_vjp` whose backward products (cotangent × operand) are also
-bfloat16 × bfloat16 → float32. Nested `jit` calls and `checkpoint`
+bfloat16 × bfloat16 → float32; the weight gradient (the sum over tokens)
+is written so that XLA:CPU runs it as a bfloat16 GEMM too
+(`_weight_grad`). Nested `jit` calls and `checkpoint`
 (remat) regions are inlined and rewritten; loops and conditionals
 (`scan`, `while`, `cond`) run as traced, their products in float32 —
 the transformation never reaches inside a loop, so a layer scan or a
@@ -91,13 +93,71 @@ def _bf16_dot_bwd(dimension_numbers, res, ct):
                        preferred_element_type=_F32)
   dx_axes = list(lb) + x_free + [lc[rc.index(r)] for r in sorted(rc)]
   dx = lax.transpose(dx, [dx_axes.index(i) for i in range(xb.ndim)])
-  # dy = x · ct over x's free axes; result axes: batch, x's contracting
-  # axes in increasing order (paired with y's), then y_free.
-  dy = lax.dot_general(xb, ctb, ((x_free, ct_x), (list(lb), list(range(nb)))),
+  return dx, _weight_grad(xb, ctb, dimension_numbers, yb.ndim)
+
+
+def _split_tokens(a, axes):
+  """`a` with its token `axes` (contiguous) as one axis split in two,
+  (n / c, c), where they are one axis with such a factor; returns the
+  array and its token axes after the split."""
+  if len(axes) == 1:
+    (t,), n = axes, a.shape[axes[0]]
+    c = next((c for c in (256, 128, 64, 32, 16, 8) if n % c == 0 and n > c),
+             None)
+    if c is not None:
+      return a.reshape(a.shape[:t] + (n // c, c) + a.shape[t + 1:]), [t, t + 1]
+  return a, list(axes)
+
+
+def _weight_grad(xb, ctb, dimension_numbers, y_ndim):
+  """dy = x · ct summed over x's free axes (the tokens), in y's axis order.
+
+  Written so that XLA:CPU runs it as a bfloat16 GEMM on row-major
+  operands. The plain product contracts both operands' leading (token)
+  axis; XLA:CPU's bfloat16 GEMM (YNNPACK) does not take a transposed left
+  operand, so it converts both to float32 and runs a float32 GEMM: 21 ms
+  for the [4096, 256]ᵀ × [4096, 1408] of the training step against 6.8
+  ms in bfloat16 with the operand transposed first (one core, Intel
+  Xeon). So the left operand is transposed here, tokens minor, and the
+  token axis is split in two first: a transpose alone is folded into the
+  operand's layout (the same transposed GEMM), while the collapse of a
+  transposed split axis is a real copy. The operands are ordered so the
+  product's axes are y's (a transpose after the product is folded back
+  into it by swapping the operands, transposed again). Values are those
+  of the plain product (float32 accumulation of the same terms).
+  """
+  lc, rc, lb, rb = _dims(dimension_numbers)
+  nb = len(lb)
+  x_free = [i for i in range(xb.ndim) if i not in lc and i not in lb]
+  y_c = sorted(rc)  # y's contracting axes; x's partner of each:
+  x_c = [lc[rc.index(r)] for r in y_c]
+  y_free = [i for i in range(y_ndim) if i not in rc and i not in rb]
+  ct_x = list(range(nb, nb + len(x_free)))  # ct: batch, x_free, y_free
+  ct_y = list(range(nb + len(x_free), ctb.ndim))
+  batch = list(range(nb))
+  xs, x_tok = _split_tokens(xb, x_free)
+  cs, c_tok = _split_tokens(ctb, ct_x)
+  grow = len(x_tok) - len(x_free)
+  x_at = lambda i: i if i < x_free[0] else i + grow  # x's axes after split
+  c_at = lambda i: i if i < ct_x[0] else i + grow
+  x_kept = [x_at(i) for i in lb] + [x_at(i) for i in x_c]
+  if list(rb) + y_free + y_c == list(range(y_ndim)):
+    # y is [batch, free, contracting] (a weight stored [out, in]): ct is
+    # the left operand, tokens minor; x [batch, tokens, contracting].
+    lhs = lax.transpose(cs, batch + [c_at(i) for i in ct_y] + c_tok)
+    rhs = lax.transpose(xs, [x_at(i) for i in lb] + x_tok +
+                        [x_at(i) for i in x_c])
+    out_axes = list(rb) + y_free + y_c
+  else:
+    # x is the left operand, tokens minor; ct [batch, tokens, y_free].
+    lhs = lax.transpose(xs, x_kept + x_tok)
+    rhs = cs
+    out_axes = list(rb) + y_c + y_free
+  k = len(x_tok)
+  dy = lax.dot_general(lhs, rhs, ((list(range(lhs.ndim - k, lhs.ndim)),
+                                   list(range(nb, nb + k))), (batch, batch)),
                        preferred_element_type=_F32)
-  dy_axes = list(rb) + [rc[lc.index(l)] for l in sorted(lc)] + y_free
-  dy = lax.transpose(dy, [dy_axes.index(i) for i in range(yb.ndim)])
-  return dx, dy
+  return lax.transpose(dy, [out_axes.index(i) for i in range(y_ndim)])
 
 
 bf16_dot.defvjp(_bf16_dot_fwd, _bf16_dot_bwd)

@@ -17,8 +17,15 @@ from kvjax import train as train_lib
 
 # (x shape, y shape, dimension_numbers): a plain matmul, a contraction
 # over two axes in shuffled order, batch axes that are not leading, and a
-# product with free axes on both sides of the contraction.
+# product with free axes on both sides of the contraction; and the
+# training model's linear layers, token rows against weights stored
+# [out, in] and [in, out], with token counts the weight gradient splits
+# (`mixed_precision._split_tokens`) and one it cannot (prime).
 _PRODUCTS = {
+    "rows_w_out_in": ((512, 32), (48, 32), (((1,), (1,)), ((), ()))),
+    "rows_w_in_out": ((512, 32), (32, 48), (((1,), (0,)), ((), ()))),
+    "batch_rows_w_out_in": ((4, 16, 32), (48, 32), (((2,), (1,)), ((), ()))),
+    "prime_rows": ((13, 32), (48, 32), (((1,), (1,)), ((), ()))),
     "matmul": ((6, 5), (5, 7), (((1,), (0,)), ((), ()))),
     "two_contracting": ((3, 4, 5), (5, 2, 4), (((1, 2), (2, 0)), ((), ()))),
     "batched": ((4, 3, 5), (5, 3, 6), (((2,), (0,)), ((1,), (1,)))),
@@ -39,6 +46,11 @@ class Bf16DotTest(parameterized.TestCase):
     x = jax.random.normal(kx, x_shape)
     y = jax.random.normal(ky, y_shape)
     out, vjp = jax.vjp(lambda a, b: mp.bf16_dot(a, b, dims), x, y)
+    # Compiled whole, as in training (XLA then rewrites the products
+    # together, and every one must still run on this backend).
+    ct = jax.random.normal(kc, out.shape)
+    jit_dx, jit_dy = jax.jit(lambda a, b, c: jax.vjp(
+        lambda a, b: mp.bf16_dot(a, b, dims), a, b)[1](c))(x, y, ct)
     self.assertEqual(out.dtype, jnp.float32)
     # The forward: the float32 product of the rounded operands (the same
     # exact products; sums equal to float32 reassociation).
@@ -48,7 +60,6 @@ class Bf16DotTest(parameterized.TestCase):
                                atol=1e-5)
     # The backward: the VJP of that product at the rounded operands,
     # applied to the rounded cotangent.
-    ct = jax.random.normal(kc, out.shape)
     dx, dy = vjp(ct)
     _, vjp_ref = jax.vjp(f32_dot, _round(x), _round(y))
     want_dx, want_dy = vjp_ref(_round(ct))
@@ -58,6 +69,10 @@ class Bf16DotTest(parameterized.TestCase):
                                atol=1e-5)
     np.testing.assert_allclose(np.asarray(dy), np.asarray(want_dy), rtol=1e-5,
                                atol=1e-5)
+    np.testing.assert_allclose(np.asarray(jit_dx), np.asarray(want_dx),
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(jit_dy), np.asarray(want_dy),
+                               rtol=1e-5, atol=1e-5)
     # And it is not the float32 product (the rounding is real).
     self.assertGreater(
         float(jnp.abs(out - lax.dot_general(x, y, dims)).max()), 1e-4)
