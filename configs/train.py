@@ -16,10 +16,9 @@ tests/test_train.py checks the match with `kvjax.param_count`.
 The run is 600 steps of 16 × 256 bytes (2.5 M tokens, ~0.7 epoch of the
 3.56 MB training text). Measured (gqa, seed 0): validation 3.18 / 2.65 /
 2.39 / 2.12 / 2.06 bits per byte at steps 100 / 200 / 300 / 500 / 600. One
-step costs ~2.4 CPU-seconds, so ≥ 1.2 s on two idle cores (≥ 12 min per
-run, estimated from CPU time); on a heavily shared machine the measured run
-took 68 min. `--config.train.num_steps=250` is a ~5 minute check by the same
-estimate.
+step takes ~0.43 s on two idle cores of the Intel Xeon host (bfloat16
+products, WORKSPACE.md "Training speed"): ~5 minutes for the run, twice
+that on one core. `--config.train.num_steps=250` is a ~2 minute check.
 """
 
 import ml_collections
