@@ -34,7 +34,7 @@ CLI_SCRIPTS = sorted(
         "decode_layout", "error_check_cost", "explain", "generate",
         "llamacpp_peer", "memory_growth",
         "peer_benchmark", "prefill_scaling", "serve", "streaming_eval",
-        "policy_eval", "train", "train_speed"))
+        "policy_eval", "sink_curves", "train", "train_speed"))
 
 
 class ExperimentsImportTest(absltest.TestCase):
