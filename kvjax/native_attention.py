@@ -160,6 +160,15 @@ def available() -> bool:
   return True
 
 
+def _require(name: str) -> None:
+  """Registers the kernel for `name`'s call, or says why it cannot run
+  (rather than XLA's "no FFI handler registered" at dispatch)."""
+  if not available():
+    raise RuntimeError(f"{name}: the native kernel is not available here "
+                       "(KVJAX_NATIVE=0, or its build failed: the warning "
+                       "logged names why)")
+
+
 def supports(k_dtype, v_dtype) -> str | None:
   """Why the kernel cannot attend keys and values of these dtypes (None
   when it can)."""
@@ -186,7 +195,9 @@ def decode_attend(q_BKGD, k_tiles, v, mask_BS, scale: float,
     out_BKGE float32.
   Raises:
     ValueError: shapes or dtypes the kernel does not take.
+    RuntimeError: the kernel is not available (`available`).
   """
+  _require("decode_attend")
   B, K, G, D = q_BKGD.shape
   if k_tiles.ndim != 5 or k_tiles.shape[-1] != TILE:
     raise ValueError(f"decode_attend: keys {k_tiles.shape} are not in tiles "
@@ -237,7 +248,9 @@ def latent_attend(q_lat_BNC, q_rope_BNR, c_BSC, r_BSR, mask_BS,
     o_lat_BNC float32, the latent output (before W_UV).
   Raises:
     ValueError: shapes or dtypes the kernel does not take.
+    RuntimeError: the kernel is not available (`available`).
   """
+  _require("latent_attend")
   B, N, C = q_lat_BNC.shape
   S, R = c_BSC.shape[1], r_BSR.shape[2]
   if (jnp.dtype(c_BSC.dtype) not in LATENT_DTYPES or
