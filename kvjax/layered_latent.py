@@ -101,8 +101,12 @@ def supports(cache, attend: int) -> str | None:
   return layered.segment_limits(policy, cache.capacity, attend)
 
 
-def from_cache(cache: cache_lib.LatentCache, attend: int) -> LayeredLatent:
+def from_cache(cache: cache_lib.LatentCache, attend: int, *,
+               transpose: bool | None = None) -> LayeredLatent:
   """The first `attend` slots of `cache` as a LayeredLatent.
+
+  `transpose`: int8 / int4 codes as [B, W, S] (None: for those dtypes, as
+  this view attends them; False: rows, as the native view reads them).
 
   Raises:
     ValueError: `supports` says why not.
@@ -111,7 +115,8 @@ def from_cache(cache: cache_lib.LatentCache, attend: int) -> LayeredLatent:
   if why:
     raise ValueError(f"layered latent cache: {why}")
   L = cache.c_kv.shape[0]
-  transpose = cache.policy.kv_dtype in TRANSPOSED
+  if transpose is None:
+    transpose = cache.policy.kv_dtype in TRANSPOSED
 
   def split(arr):
     return None if arr is None else tuple(arr[l, :, :attend]
@@ -119,10 +124,10 @@ def from_cache(cache: cache_lib.LatentCache, attend: int) -> LayeredLatent:
 
   def codes(arr):
     parts = split(arr)
-    if not transpose:
-      return parts
     if arr.dtype == quant.INT4_PAIRS:  # int4 pairs unpacked to int8 codes
       parts = tuple(quant.unpack_int4(x) for x in parts)
+    if not transpose:
+      return parts
     return tuple(jnp.swapaxes(x, -1, -2) for x in parts)
 
   return LayeredLatent(c=codes(cache.c_kv), r=codes(cache.k_rope),
@@ -143,9 +148,8 @@ def into_cache(cache: cache_lib.LatentCache, view: LayeredLatent
     return None if arr is None else arr.at[:, :, :S].set(jnp.stack(parts))
 
   def stored(parts):
-    if not view.transposed:
-      return parts
-    parts = tuple(jnp.swapaxes(x, -1, -2) for x in parts)
+    if view.transposed:
+      parts = tuple(jnp.swapaxes(x, -1, -2) for x in parts)
     if view.policy.kv_dtype == "int4":
       parts = tuple(quant.pack_int4(x) for x in parts)
     return parts

@@ -4,7 +4,10 @@ JAX primitives: XLA FFI custom calls, built on first use.
   out_BKGE = decode_attend(q_BKGD, k_tiles, v, mask_BS, scale,
                            k_scale_BKS=None, v_scale_BKS=None)
   o_lat_BNC = latent_attend(q_lat_BNC, q_rope_BNR, c_BSC, r_BSR, mask_BS,
-                            scale)      MLA's absorbed decode (`kvjax.mla`)
+                            scale, c_scale_BS=None, r_scale_BS=None)
+                                        MLA's absorbed decode (`kvjax.mla`);
+                                        latents float32, bfloat16 bits or
+                                        int8 codes with per-token scales
 
 Dimension alphabet (`kvjax.config`): B batch, K kv heads, G query heads per
 kv head, S cache slots, D key width, E value width (both H for the GQA
@@ -68,7 +71,8 @@ LATENT_TARGET = "kvjax_latent_attention"
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared",
          "-fPIC", "-w")
 KEY_DTYPES = (jnp.dtype(jnp.float32), quant.BF16_BITS, jnp.dtype(jnp.int8))
-LATENT_DTYPES = (jnp.dtype(jnp.float32), quant.BF16_BITS)  # MLA's latents
+LATENT_DTYPES = (jnp.dtype(jnp.float32), quant.BF16_BITS,  # MLA's latents
+                 jnp.dtype(jnp.int8))
 TILE = 16  # slots per key tile (the kernel's register width)
 
 
@@ -232,7 +236,7 @@ def decode_attend(q_BKGD, k_tiles, v, mask_BS, scale: float,
 
 
 def latent_attend(q_lat_BNC, q_rope_BNR, c_BSC, r_BSR, mask_BS,
-                  scale: float):
+                  scale: float, c_scale_BS=None, r_scale_BS=None):
   """MLA's absorbed decode attention (`mla.absorbed_decode`'s semantics) of
   one query token per sequence over per-layer latents, keys and values at
   once.
@@ -240,10 +244,12 @@ def latent_attend(q_lat_BNC, q_rope_BNR, c_BSC, r_BSR, mask_BS,
   Args:
     q_lat_BNC, q_rope_BNR: the absorbed and rotary queries (cast to
       float32).
-    c_BSC, r_BSR: latents and rotary keys, float32 or bfloat16 bits (uint16),
-      the same for both.
+    c_BSC, r_BSR: latents and rotary keys, float32, bfloat16 bits (uint16)
+      or int8 codes, the same for both.
     mask_BS: bool, True where a slot may be attended.
     scale: softmax scale.
+    c_scale_BS, r_scale_BS: float32 per-token scales of int8 codes (and
+      only of them): the latent is c · c_scale, the rotary key r · r_scale.
   Returns:
     o_lat_BNC float32, the latent output (before W_UV).
   Raises:
@@ -256,15 +262,28 @@ def latent_attend(q_lat_BNC, q_rope_BNR, c_BSC, r_BSR, mask_BS,
   if (jnp.dtype(c_BSC.dtype) not in LATENT_DTYPES or
       r_BSR.dtype != c_BSC.dtype):
     raise ValueError(f"latent_attend: latents {c_BSC.dtype} / rotary keys "
-                     f"{r_BSR.dtype}: float32 or bfloat16 bits, the same")
+                     f"{r_BSR.dtype}: float32, bfloat16 bits or int8 codes, "
+                     "the same")
+  int8 = c_BSC.dtype == jnp.int8
+  if (c_scale_BS is None) == int8 or (r_scale_BS is None) == int8:
+    raise ValueError("latent_attend: per-token scales go with int8 codes, "
+                     "and only with them")
   if (q_rope_BNR.shape != (B, N, R) or c_BSC.shape != (B, S, C) or
-      r_BSR.shape != (B, S, R) or mask_BS.shape != (B, S)):
+      r_BSR.shape != (B, S, R) or mask_BS.shape != (B, S) or
+      (int8 and (c_scale_BS.shape != (B, S) or r_scale_BS.shape != (B, S)))):
     raise ValueError(
         f"latent_attend: q_lat {q_lat_BNC.shape}, q_rope {q_rope_BNR.shape}, "
-        f"c {c_BSC.shape}, r {r_BSR.shape}, mask {mask_BS.shape}; want [B, N, "
-        "C], [B, N, R], [B, S, C], [B, S, R], [B, S]")
+        f"c {c_BSC.shape}, r {r_BSR.shape}, mask {mask_BS.shape}"
+        + (f", scales {c_scale_BS.shape} / {r_scale_BS.shape}" if int8 else
+           "") + "; want [B, N, C], [B, N, R], [B, S, C], [B, S, R], [B, S]"
+        + (", [B, S]" if int8 else ""))
+  empty = jnp.zeros((0,), jnp.float32)
   call = jax.ffi.ffi_call(LATENT_TARGET,
                           jax.ShapeDtypeStruct((B, N, C), jnp.float32),
                           vmap_method="sequential")
   return call(q_lat_BNC.astype(jnp.float32), q_rope_BNR.astype(jnp.float32),
-              c_BSC, r_BSR, mask_BS.astype(jnp.bool_), scale=np.float32(scale))
+              c_BSC, empty if c_scale_BS is None else
+              c_scale_BS.astype(jnp.float32), r_BSR,
+              empty if r_scale_BS is None else
+              r_scale_BS.astype(jnp.float32), mask_BS.astype(jnp.bool_),
+              scale=np.float32(scale))

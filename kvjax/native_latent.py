@@ -2,14 +2,19 @@
 kernel: the layered latent view (`kvjax.layered_latent`: one array per
 layer) whose absorbed attention is `native_attention.latent_attend`.
 
-  NativeLatent  c  L × [B, S, C]   latents, float32 or bfloat16 bits
-                r  L × [B, S, R]   rotary keys, the same storage
+  NativeLatent  c                 L × [B, S, C]   latents: float32,
+                                                  bfloat16 bits or int8
+                                                  codes (int4 unpacked)
+                r                 L × [B, S, R]   rotary keys, the same
+                c_scale, r_scale  L × [B, S]      int8, int4 (else None)
 
 Each step reads a layer's latents once, as stored, for its keys and its
 values (the kernel's blocks keep a latent row in cache between the two),
 with the softmax online: no float32 copy of a bfloat16 cache and no
-[B, N, S] logits in memory. int8 / int4 latents keep the layered view's
-integer attention (`layered_latent.int8_absorbed`).
+[B, N, S] logits in memory. int8 and int4 codes are rows here (the
+layered view transposes them for its integer dots) and the kernel reads
+them as codes with float queries and probabilities (no int8 rounding of
+either, unlike `layered_latent.int8_absorbed`).
 
 A decode cache kind (`attention.register_decode_cache`) and a decode view
 (`kvjax.decode`'s 'native' layout for MLA): the model reads it through the
@@ -24,15 +29,21 @@ from flax import struct
 
 from kvjax import attention
 from kvjax import cache as cache_lib
+from kvjax import layered
 from kvjax import layered_latent
 from kvjax import native_attention
 
-NATIVE_LATENT_DTYPES = ("float32", "bfloat16")
+NATIVE_LATENT_DTYPES = ("float32", "bfloat16", "int8", "int4")
 
 
 @struct.dataclass
 class NativeLatent(layered_latent.LayeredLatent):
-  """A float `layered_latent.LayeredLatent` attended by the native kernel."""
+  """A `layered_latent.LayeredLatent` with rows for every dtype, attended
+  by the native kernel."""
+
+  @property
+  def transposed(self) -> bool:
+    return False
 
 
 def supports(cache, attend: int) -> str | None:
@@ -58,8 +69,9 @@ def from_cache(cache: cache_lib.LatentCache, attend: int) -> NativeLatent:
   why = supports(cache, attend)
   if why:
     raise ValueError(f"native latent cache: {why}")
-  view = layered_latent.from_cache(cache, attend)
-  return NativeLatent(c=view.c, r=view.r, positions=view.positions,
+  view = layered_latent.from_cache(cache, attend, transpose=False)
+  return NativeLatent(c=view.c, r=view.r, c_scale=view.c_scale,
+                      r_scale=view.r_scale, positions=view.positions,
                       length=view.length, errors=view.errors,
                       policy=view.policy)
 
@@ -71,8 +83,12 @@ def into_cache(cache: cache_lib.LatentCache, view: NativeLatent
 
 
 def read(view: NativeLatent, layer: int, dtype, prefix: int = 0):
-  """One layer's latents [B, S, C] and rotary keys [B, S, R] as stored."""
+  """One layer's latents [B, S, C] and rotary keys [B, S, R] as stored
+  (int8 / int4: `layered.Int8Rows` of codes and per-token scales)."""
   del dtype, prefix  # read as stored; the segment's copy is its prefix
+  if view.c_scale is not None:
+    return (layered.Int8Rows(view.c[layer], view.c_scale[layer]),
+            layered.Int8Rows(view.r[layer], view.r_scale[layer]))
   return view.c[layer], view.r[layer]
 
 
@@ -82,9 +98,14 @@ def _latent_attend(q_lat_BTNC, q_rope_BTNR, c_BSC, r_BSR, mask_B1TS,
   T = q_lat_BTNC.shape[1]
   if T != 1:
     raise ValueError(f"NativeLatent attends decode steps (T = 1), got T={T}")
-  o_lat_BNC = native_attention.latent_attend(
-      q_lat_BTNC[:, 0], q_rope_BTNR[:, 0], c_BSC, r_BSR, mask_B1TS[:, 0, 0],
-      scale)
+  if isinstance(c_BSC, layered.Int8Rows):
+    o_lat_BNC = native_attention.latent_attend(
+        q_lat_BTNC[:, 0], q_rope_BTNR[:, 0], c_BSC.codes, r_BSR.codes,
+        mask_B1TS[:, 0, 0], scale, c_BSC.scale, r_BSR.scale)
+  else:
+    o_lat_BNC = native_attention.latent_attend(
+        q_lat_BTNC[:, 0], q_rope_BTNR[:, 0], c_BSC, r_BSR,
+        mask_B1TS[:, 0, 0], scale)
   return o_lat_BNC[:, None].astype(q_lat_BTNC.dtype), None
 
 

@@ -57,9 +57,9 @@ def valid(variant, policy, kv, layout, params) -> bool:
                                                          "bfloat16", "int8")):
     return False  # decode.plan: per-token storage, segments, per-layer
   if layout == "native" and not (
-      variant != "mla" and policy == "none" and params == "packed" and
+      policy == "none" and params == "packed" and
       kv in ("float32", "bfloat16", "int8")):
-    return False  # the kernel: GQA family, per-token storage, segments
+    return False  # the kernel: per-token storage, segments, per-layer
   if kv.endswith("-kivi") and policy != "none":
     return False  # KIVI: eviction 'none' only
   if policy == "snapkv" and variant == "mla":
@@ -90,11 +90,13 @@ def covering(axes: dict, ok, start=()) -> list[dict]:
 
 
 # The fast tier: a covering of GQA and MLA alone; the slow tier extends it
-# to every variant. Both start from MLA's integer attention over int8
-# latents (`kvjax.layered_latent`), which a covering of pairs alone skips.
+# to every variant. Both start from MLA's int8 latents in the integer
+# attention (`kvjax.layered_latent`) and in the kernel
+# (`kvjax.native_latent`), which a covering of pairs alone skips.
 FAST_CASES = covering(dict(AXES, variant=cases.FAST_VARIANTS), valid,
                       start=[dict(variant="mla", policy="none", kv="int8",
-                                  layout="layered", params="packed")])
+                                  layout=layout, params="packed")
+                             for layout in ("layered", "native")])
 FAST = {cases.case_name(c) for c in FAST_CASES}
 CASES = covering(AXES, valid, start=FAST_CASES)
 

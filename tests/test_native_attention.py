@@ -169,7 +169,7 @@ class KernelTest(parameterized.TestCase):
 
 class LatentKernelTest(parameterized.TestCase):
 
-  @cases.product(form=("float32", "bfloat16"), N=(1, 4, 8, 16),
+  @cases.product(form=("float32", "bfloat16", "int8"), N=(1, 4, 8, 16),
                  S=(1, 130, 2048))
   def test_equals_a_float64_reference(self, form, N, S):
     # MLA's absorbed attention: keys [c | r], values c (one latent shared
@@ -180,11 +180,18 @@ class LatentKernelTest(parameterized.TestCase):
     q_rope = rng.standard_normal((B, N, R)).astype(np.float32)
     c = rng.standard_normal((B, S, C)).astype(np.float32)
     r = rng.standard_normal((B, S, R)).astype(np.float32)
+    scales = {}
     if form == "bfloat16":
       c, r = (quant.quantize(jnp.asarray(x), quant.BF16_BITS)[0]
               for x in (c, r))
       c64, r64 = (np.asarray(quant.dequantize(x, None, jnp.float32),
                              np.float64) for x in (c, r))
+    elif form == "int8":  # codes with per-token scales, each its own
+      (c, cs), (r, rs) = (quant.quantize(jnp.asarray(x), jnp.int8)
+                          for x in (c, r))
+      c64, r64 = (np.asarray(x, np.float64) * np.asarray(sc, np.float64)[
+          ..., None] for x, sc in ((c, cs), (r, rs)))
+      scales = dict(c_scale_BS=cs, r_scale_BS=rs)
     else:
       c64, r64 = c.astype(np.float64), r.astype(np.float64)
     mask = rng.random((B, S)) < 0.6
@@ -193,7 +200,7 @@ class LatentKernelTest(parameterized.TestCase):
     scale = 0.1
     out = native_attention.latent_attend(q_lat, q_rope, jnp.asarray(c),
                                          jnp.asarray(r), jnp.asarray(mask),
-                                         scale)
+                                         scale, **scales)
     q64 = np.concatenate([q_lat, q_rope], -1).astype(np.float64)[:, None]
     k64 = np.concatenate([c64, r64], -1)[:, None]
     want = reference(q64, k64, c64[:, None], mask, scale)[:, 0]
@@ -203,9 +210,21 @@ class LatentKernelTest(parameterized.TestCase):
     q, c = jnp.zeros((2, 4, 32)), jnp.zeros((2, 64, 32))
     qr, r = jnp.zeros((2, 4, 8)), jnp.zeros((2, 64, 8))
     mask = jnp.ones((2, 64), bool)
-    with self.assertRaisesRegex(ValueError, "float32 or bfloat16 bits"):
+    with self.assertRaisesRegex(ValueError, "float32, bfloat16 bits or int8"):
+      native_attention.latent_attend(q, qr, c.astype(jnp.float16),
+                                     r.astype(jnp.float16), mask, 1.0)
+    with self.assertRaisesRegex(ValueError, "the same"):
+      native_attention.latent_attend(q, qr, c, r.astype(jnp.int8), mask, 1.0)
+    with self.assertRaisesRegex(ValueError, "per-token scales"):
       native_attention.latent_attend(q, qr, c.astype(jnp.int8),
                                      r.astype(jnp.int8), mask, 1.0)
+    with self.assertRaisesRegex(ValueError, "per-token scales"):
+      native_attention.latent_attend(q, qr, c, r, mask, 1.0,
+                                     jnp.ones((2, 64)), jnp.ones((2, 64)))
+    with self.assertRaisesRegex(ValueError, "want"):
+      native_attention.latent_attend(q, qr, c.astype(jnp.int8),
+                                     r.astype(jnp.int8), mask, 1.0,
+                                     jnp.ones((2, 64)), jnp.ones((2, 10)))
     with self.assertRaisesRegex(ValueError, "want"):
       native_attention.latent_attend(q, qr, c, r[:, :10], mask, 1.0)
 
@@ -250,16 +269,22 @@ class NativeViewTest(parameterized.TestCase):
                          (kv, batch))
     mla_config = tiny("mla")
     mla_params = kvjax.pack(tiny_params("mla"), mla_config)
-    for kv in native_latent.NATIVE_LATENT_DTYPES:
+    for kv in ("float32", "bfloat16"):
       plan = decode.plan(mla_params, mla_config,
                          cache_lib.CachePolicy(kv_dtype=kv), 8, 100, 2000,
                          4096)
       self.assertEqual(plan.layout, "native", kv)
-    # MLA's int8 latents keep the integer attention.
-    plan = decode.plan(mla_params, mla_config,
-                       cache_lib.CachePolicy(kv_dtype="int8"), 8, 100, 2000,
-                       4096)
-    self.assertEqual(plan.layout, "layered")
+    # MLA's int8 / int4 latents keep the integer attention under 'auto'
+    # (the kernel reads them only when asked).
+    for kv in ("int8", "int4"):
+      plan = decode.plan(mla_params, mla_config,
+                         cache_lib.CachePolicy(kv_dtype=kv), 8, 100, 2000,
+                         4096)
+      self.assertEqual(plan.layout, "layered", kv)
+      plan = decode.plan(mla_params, mla_config,
+                         cache_lib.CachePolicy(kv_dtype=kv), 8, 100, 2000,
+                         4096, decode_layout="native")
+      self.assertEqual(plan.layout, "native", kv)
     # float16 and KIVI's channel keys stay on the XLA views.
     plan = decode.plan(params, config,
                        cache_lib.CachePolicy(kv_dtype="float16"), 8, 100,

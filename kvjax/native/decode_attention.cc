@@ -285,13 +285,17 @@ inline f16v lane_sums16(const f16v* v) {
 
 // Logits of GN query rows against P = 16 / GN slots whose keys are rows
 // (slots j0 .. j0 + P - 1 of a, b): the P × GN dot products in 16
-// accumulators, reduced together (`lane_sums16`). Returns the vector whose
-// lane p · GN + g is slot j0 + p's logit for row g (lanes past P · GN: 0).
-template <int GN, typename T>
-inline f16v slot_group_logits(const float* __restrict__ qa, int64_t A,
+// accumulators, reduced together (`lane_sums16`). Lane p · GN + g of the
+// result is slot j0 + p's logit for row g (lanes past P · GN: 0). With
+// `split` (int8 codes: the latent and the rotary key have scales of their
+// own) the latent part goes to `rc` and the rotary part to `rr`, each
+// reduced; else both to `rc`.
+template <int GN, typename T, bool split>
+inline void slot_group_logits(const float* __restrict__ qa, int64_t A,
                               const float* __restrict__ qb, int64_t R,
                               const T* __restrict__ a,
-                              const T* __restrict__ b, int64_t j0) {
+                              const T* __restrict__ b, int64_t j0, f16v& rc,
+                              f16v& rr) {
   constexpr int P = 16 / GN;
   f16v acc[16];
   for (int i = 0; i < 16; ++i) acc[i] = f16v{};
@@ -305,6 +309,10 @@ inline f16v slot_group_logits(const float* __restrict__ qa, int64_t A,
       for (int p = 0; p < P; ++p) acc[p * GN + g] += qv * kv[p];
     }
   }
+  if (split) {
+    rc = lane_sums16(acc);
+    for (int i = 0; i < 16; ++i) acc[i] = f16v{};
+  }
   for (int64_t e = 0; e + kLanes <= R; e += kLanes) {
     f16v kv[P];
     for (int p = 0; p < P; ++p) kv[p] = load16(bj + p * R + e);
@@ -313,17 +321,23 @@ inline f16v slot_group_logits(const float* __restrict__ qa, int64_t A,
       for (int p = 0; p < P; ++p) acc[p * GN + g] += qv * kv[p];
     }
   }
-  f16v r = lane_sums16(acc);
+  if (split) {
+    rr = lane_sums16(acc);
+  } else {
+    rc = lane_sums16(acc);
+    rr = f16v{};
+  }
+  f16v& tail_a = rc;
+  f16v& tail_b = split ? rr : rc;
   // Channels past the last multiple of 16 (none for MLA's usual C and R).
   for (int64_t e = A / kLanes * kLanes; e < A; ++e)
     for (int p = 0; p < P; ++p)
       for (int g = 0; g < GN; ++g)
-        r[p * GN + g] += qa[g * A + e] * load1(aj[p * A + e]);
+        tail_a[p * GN + g] += qa[g * A + e] * load1(aj[p * A + e]);
   for (int64_t e = R / kLanes * kLanes; e < R; ++e)
     for (int p = 0; p < P; ++p)
       for (int g = 0; g < GN; ++g)
-        r[p * GN + g] += qb[g * R + e] * load1(bj[p * R + e]);
-  return r;
+        tail_b[p * GN + g] += qb[g * R + e] * load1(bj[p * R + e]);
 }
 
 // The per-slot form of `block_logits_rows` for slots [j_begin, n) of the
@@ -333,6 +347,8 @@ inline void block_logits_rows_each(const float* __restrict__ qa, int64_t A,
                                    const float* __restrict__ qb, int64_t R,
                                    const T* __restrict__ a,
                                    const T* __restrict__ b,
+                                   const float* __restrict__ cs,
+                                   const float* __restrict__ rs,
                                    const bool* __restrict__ mask, int64_t b0,
                                    int64_t j_begin, int64_t n,
                                    float* __restrict__ lg,
@@ -340,25 +356,28 @@ inline void block_logits_rows_each(const float* __restrict__ qa, int64_t A,
   for (int64_t j = j_begin; j < n; ++j) {
     const T* aj = a + (b0 + j) * A;
     const T* bj = b + (b0 + j) * R;
-    f16v acc[GN];
-    for (int g = 0; g < GN; ++g) acc[g] = f16v{};
+    f16v acc[GN], accr[GN];
+    for (int g = 0; g < GN; ++g) acc[g] = accr[g] = f16v{};
     int64_t e = 0;
     for (; e + kLanes <= A; e += kLanes) {
       const f16v kv = load16(aj + e);
       for (int g = 0; g < GN; ++g) acc[g] += load16(qa + g * A + e) * kv;
     }
-    float tail[GN] = {};
+    float tail[GN] = {}, tailr[GN] = {};
     for (; e < A; ++e)
       for (int g = 0; g < GN; ++g) tail[g] += qa[g * A + e] * load1(aj[e]);
     e = 0;
     for (; e + kLanes <= R; e += kLanes) {
       const f16v kv = load16(bj + e);
-      for (int g = 0; g < GN; ++g) acc[g] += load16(qb + g * R + e) * kv;
+      for (int g = 0; g < GN; ++g) accr[g] += load16(qb + g * R + e) * kv;
     }
     for (; e < R; ++e)
-      for (int g = 0; g < GN; ++g) tail[g] += qb[g * R + e] * load1(bj[e]);
+      for (int g = 0; g < GN; ++g) tailr[g] += qb[g * R + e] * load1(bj[e]);
     for (int g = 0; g < GN; ++g) {
-      const float x = mask[b0 + j] ? hsum(acc[g]) + tail[g] : kLowest;
+      const float dc = hsum(acc[g]) + tail[g], dr = hsum(accr[g]) + tailr[g];
+      const float dot = cs != nullptr ? cs[b0 + j] * dc + rs[b0 + j] * dr
+                                      : dc + dr;
+      const float x = mask[b0 + j] ? dot : kLowest;
       lg[g * kBlock + j] = x;
       bm[g] = std::max(bm[g], x);
     }
@@ -375,6 +394,8 @@ inline void block_logits_rows(const float* __restrict__ qa, int64_t A,
                               const float* __restrict__ qb, int64_t R,
                               const T* __restrict__ a,
                               const T* __restrict__ b,
+                              const float* __restrict__ cs,
+                              const float* __restrict__ rs,
                               const bool* __restrict__ mask, int64_t b0,
                               int64_t n, float* __restrict__ lg,
                               float* __restrict__ bm) {
@@ -391,15 +412,29 @@ inline void block_logits_rows(const float* __restrict__ qa, int64_t A,
       for (int64_t e = 0; e < A; e += kLine) __builtin_prefetch(ahead_a + e);
       __builtin_prefetch(b + (b0 + j + p + kAheadSlots) * R);
     }
-    const f16v r = slot_group_logits<GN, T>(qa, A, qb, R, a, b, b0 + j);
-    for (int p = 0; p < P; ++p)
-      for (int g = 0; g < GN; ++g) {
-        const float x = mask[b0 + j + p] ? r[p * GN + g] : kLowest;
-        lg[g * kBlock + j + p] = x;
-        bm[g] = std::max(bm[g], x);
-      }
+    f16v rc, rr;
+    if (cs != nullptr) {  // int8 codes: each part times its slot's scale
+      slot_group_logits<GN, T, true>(qa, A, qb, R, a, b, b0 + j, rc, rr);
+      for (int p = 0; p < P; ++p)
+        for (int g = 0; g < GN; ++g) {
+          const int k = p * GN + g;
+          const int64_t s = b0 + j + p;
+          const float x = mask[s] ? cs[s] * rc[k] + rs[s] * rr[k] : kLowest;
+          lg[g * kBlock + j + p] = x;
+          bm[g] = std::max(bm[g], x);
+        }
+    } else {
+      slot_group_logits<GN, T, false>(qa, A, qb, R, a, b, b0 + j, rc, rr);
+      for (int p = 0; p < P; ++p)
+        for (int g = 0; g < GN; ++g) {
+          const float x = mask[b0 + j + p] ? rc[p * GN + g] : kLowest;
+          lg[g * kBlock + j + p] = x;
+          bm[g] = std::max(bm[g], x);
+        }
+    }
   }
-  block_logits_rows_each<GN, T>(qa, A, qb, R, a, b, mask, b0, j, n, lg, bm);
+  block_logits_rows_each<GN, T>(qa, A, qb, R, a, b, cs, rs, mask, b0, j, n,
+                                lg, bm);
 }
 
 // acc[g][e] += sum_j p[g][j] · v[j][e] over values [S, E]; with `ahead`,
@@ -499,13 +534,17 @@ void gqa_tile(const float* qg, const T* k, const float* k_scale, const T* v,
 
 template <int GN, typename T>
 void latent_tile(const float* qa, const float* qb, const T* a, const T* b,
-                 const bool* mask, int64_t A, int64_t R, int64_t s0,
-                 int64_t s1, float* m, float* l, float* acc) {
+                 const float* cs, const float* rs, const bool* mask,
+                 int64_t A, int64_t R, int64_t s0, int64_t s1, float* m,
+                 float* l, float* acc) {
+  // The latents are the values too; an int8 latent's scale goes into its
+  // weight (`attend_tile`'s value scales).
   attend_tile<GN, T, false>(
       [&](int64_t b0, int64_t n, float* lg, float* bm) {
-        block_logits_rows<GN, T>(qa, A, qb, R, a, b, mask, b0, n, lg, bm);
+        block_logits_rows<GN, T>(qa, A, qb, R, a, b, cs, rs, mask, b0, n, lg,
+                                 bm);
       },
-      a, nullptr, A, s0, s1, m, l, acc);
+      a, cs, A, s0, s1, m, l, acc);
 }
 
 // Dispatches a query tile of gn <= kRows rows to its register width.
@@ -553,7 +592,8 @@ void attend_range(const float* q, const float* qb, const T* k,
         constexpr int GN = decltype(gn)::value;
         if (qb != nullptr) {
           latent_tile<GN, T>(qs.data() + g0 * D, qbs.data() + g0 * R, k, v,
-                             mask, D, R, b0, b1, m, l, acc);
+                             k_scale, v_scale, mask, D, R, b0, b1, m, l,
+                             acc);
         } else {
           gqa_tile<GN, T>(qs.data() + g0 * D, k, k_scale, v, v_scale, mask,
                           D, E, S, b0, b1, m, l, acc);
@@ -706,15 +746,20 @@ static ffi::Error DecodeAttentionImpl(
 
 // MLA's absorbed decode attention over per-layer latents:
 //   q_lat  f32 [B, N, C]   absorbed queries     q_rope f32 [B, N, R]
-//   c      T   [B, S, C]   latents (keys and values; T f32 or bf16 bits)
+//   c      T   [B, S, C]   latents (keys and values; T f32, bf16 bits or
+//                          s8 codes)
+//   c_scale f32 [B, S]     per-token latent scales (s8; else [0])
 //   r      T   [B, S, R]   rotary keys          mask   pred [B, S]
+//   r_scale f32 [B, S]     per-token rotary-key scales (s8; else [0])
 //   out    f32 [B, N, C]   the latent output (before W_UV)
-// logits = scale · (q_lat · c + q_rope · r): `mla.absorbed_decode`.
+// logits = scale · (q_lat · c + q_rope · r) with codes times their scales:
+// `mla.absorbed_decode` of the dequantized cache.
 static ffi::Error LatentAttentionImpl(
     ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q_lat,
-    ffi::Buffer<ffi::F32> q_rope, ffi::AnyBuffer c, ffi::AnyBuffer r,
-    ffi::Buffer<ffi::PRED> mask, ffi::ResultBuffer<ffi::F32> out,
-    float scale) {
+    ffi::Buffer<ffi::F32> q_rope, ffi::AnyBuffer c,
+    ffi::Buffer<ffi::F32> c_scale, ffi::AnyBuffer r,
+    ffi::Buffer<ffi::F32> r_scale, ffi::Buffer<ffi::PRED> mask,
+    ffi::ResultBuffer<ffi::F32> out, float scale) {
   const auto qd = q_lat.dimensions(), rd = q_rope.dimensions();
   const auto cd = c.dimensions(), kd = r.dimensions();
   if (qd.size() != 3 || rd.size() != 3 || cd.size() != 3 || kd.size() != 3)
@@ -728,24 +773,34 @@ static ffi::Error LatentAttentionImpl(
     return ffi::Error::InvalidArgument("c and r must share a dtype");
   if (mask.element_count() != B * S)
     return ffi::Error::InvalidArgument("mask must be [B, S]");
+  const bool codes = c.element_type() == ffi::S8;
+  const bool scales = c_scale.element_count() > 0;
+  if (codes != scales || (r_scale.element_count() > 0) != scales)
+    return ffi::Error::InvalidArgument("scales go with int8 codes only");
+  if (scales && (c_scale.element_count() != B * S ||
+                 r_scale.element_count() != B * S))
+    return ffi::Error::InvalidArgument("scales must be [B, S]");
+  const float* cs = scales ? c_scale.typed_data() : nullptr;
+  const float* rs = scales ? r_scale.typed_data() : nullptr;
+  auto go = [&](auto tag) {
+    using T = decltype(tag);
+    attend_all<T>(pool, q_lat.typed_data(), q_rope.typed_data(),
+                  static_cast<const T*>(c.untyped_data()), cs,
+                  static_cast<const T*>(r.untyped_data()), rs,
+                  mask.typed_data(), out->typed_data(), B, 1, N, C, R, C, S,
+                  scale);
+    return ffi::Error::Success();
+  };
   switch (c.element_type()) {
     case ffi::F32:
-      attend_all<float>(pool, q_lat.typed_data(), q_rope.typed_data(),
-                        static_cast<const float*>(c.untyped_data()), nullptr,
-                        static_cast<const float*>(r.untyped_data()), nullptr,
-                        mask.typed_data(), out->typed_data(), B, 1, N, C, R,
-                        C, S, scale);
-      return ffi::Error::Success();
-    case ffi::U16:
-      attend_all<uint16_t>(pool, q_lat.typed_data(), q_rope.typed_data(),
-                           static_cast<const uint16_t*>(c.untyped_data()),
-                           nullptr,
-                           static_cast<const uint16_t*>(r.untyped_data()),
-                           nullptr, mask.typed_data(), out->typed_data(), B,
-                           1, N, C, R, C, S, scale);
-      return ffi::Error::Success();
+      return go(float());
+    case ffi::U16:  // bfloat16 bits
+      return go(uint16_t());
+    case ffi::S8:
+      return go(int8_t());
     default:
-      return ffi::Error::InvalidArgument("latents: f32 or u16 (bf16 bits)");
+      return ffi::Error::InvalidArgument(
+          "latents: f32, u16 (bf16 bits) or s8");
   }
 }
 
@@ -755,7 +810,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxLatentAttention, LatentAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()   // q_lat
                                   .Arg<ffi::Buffer<ffi::F32>>()   // q_rope
                                   .Arg<ffi::AnyBuffer>()          // c
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // c_scale
                                   .Arg<ffi::AnyBuffer>()          // r
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // r_scale
                                   .Arg<ffi::Buffer<ffi::PRED>>()  // mask
                                   .Ret<ffi::Buffer<ffi::F32>>()   // out
                                   .Attr<float>("scale"));
