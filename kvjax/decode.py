@@ -166,9 +166,9 @@ def plan(params, config: ModelConfig, policy: cache_lib.CachePolicy,
   path); 'native' what the CPU kernel reads (`native_layered.NATIVE_DTYPES`,
   MLA's `native_latent.NATIVE_LATENT_DTYPES`) where it built. 'auto'
   (CPU params, where they were measured): 'native' wherever it runs
-  but for MLA's int8 / int4 latents (WORKSPACE.md "Quantized caches, and
-  the cache-dominated regime"); else 'layered' for int8 / int4 caches at
-  every batch (MLA's latents too); for the GQA family's float caches from LAYERED_MIN_BATCH sequences
+  (WORKSPACE.md "Quantized caches, and the cache-dominated regime");
+  else 'layered' for int8 / int4 caches at every batch (MLA's latents
+  too); for the GQA family's float caches from LAYERED_MIN_BATCH sequences
   on, 'layered' in segments attending LAYERED_MIN_SLOTS slots or more;
   else 'stacked'.
 
@@ -196,11 +196,7 @@ def plan(params, config: ModelConfig, policy: cache_lib.CachePolicy,
     return Plan(schedule, decode_layout)
   if platform(params) != "cpu":
     return Plan(schedule)
-  # MLA's int8 / int4 latents: the native kernel's float arithmetic on
-  # codes measured no faster than the layered view's integer dots (both
-  # bound by their arithmetic), so those stay layered.
-  if (not (config.attention == "mla" and policy.quantized) and
-      not _why_not("native", schedule, params, config, policy)):
+  if not _why_not("native", schedule, params, config, policy):
     return Plan(schedule, "native")
   if _why_not("layered", schedule, params, config, policy):
     return Plan(schedule)

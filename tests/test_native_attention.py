@@ -269,21 +269,13 @@ class NativeViewTest(parameterized.TestCase):
                          (kv, batch))
     mla_config = tiny("mla")
     mla_params = kvjax.pack(tiny_params("mla"), mla_config)
-    for kv in ("float32", "bfloat16"):
+    # MLA's latents in every stored form, int8 / int4 codes included.
+    self.assertEqual(native_latent.NATIVE_LATENT_DTYPES,
+                     ("float32", "bfloat16", "int8", "int4"))
+    for kv in native_latent.NATIVE_LATENT_DTYPES:
       plan = decode.plan(mla_params, mla_config,
                          cache_lib.CachePolicy(kv_dtype=kv), 8, 100, 2000,
                          4096)
-      self.assertEqual(plan.layout, "native", kv)
-    # MLA's int8 / int4 latents keep the integer attention under 'auto'
-    # (the kernel reads them only when asked).
-    for kv in ("int8", "int4"):
-      plan = decode.plan(mla_params, mla_config,
-                         cache_lib.CachePolicy(kv_dtype=kv), 8, 100, 2000,
-                         4096)
-      self.assertEqual(plan.layout, "layered", kv)
-      plan = decode.plan(mla_params, mla_config,
-                         cache_lib.CachePolicy(kv_dtype=kv), 8, 100, 2000,
-                         4096, decode_layout="native")
       self.assertEqual(plan.layout, "native", kv)
     # float16 and KIVI's channel keys stay on the XLA views.
     plan = decode.plan(params, config,
