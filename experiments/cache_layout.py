@@ -57,10 +57,10 @@ def main(argv):
   del argv
   with cli.checking("--preset"):
     config = cfg_lib.model_config(presets.get_config(_PRESET.value).model)
-  # blocked views hold float GQA caches only; MLA's latents are stacked or
-  # layered (`kvjax.layered_latent`).
+  # blocked views hold float GQA caches only; MLA's latents are stacked,
+  # layered (`kvjax.layered_latent`) or native.
   # native: the GQA family's float32 / bfloat16 / int8 / int4 caches, MLA's
-  # float32 / bfloat16 latents.
+  # latents in the same four.
   native_kinds = (native_latent.NATIVE_LATENT_DTYPES
                   if config.attention == "mla" else
                   native_layered.NATIVE_DTYPES)

@@ -190,12 +190,12 @@ class CacheLayoutTest(absltest.TestCase):
       self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
       with open(os.path.join(tmp, "cache_layout.json")) as f:
         out = json.load(f)
-    # blocked views hold GQA caches only, the native latent kernel float
-    # latents: MLA times stacked, layered and (float32) native.
+    # blocked views hold GQA caches only; the native latent kernel reads
+    # float and int8 latents: MLA times stacked, layered and native.
     self.assertEqual(sorted((r["kv_dtype"], r["layout"]) for r in out["rows"]),
                      [("float32", "layered"), ("float32", "native"),
                       ("float32", "stacked"), ("int8", "layered"),
-                      ("int8", "stacked")])
+                      ("int8", "native"), ("int8", "stacked")])
     first = out["rows"][0]
     self.assertEqual((first["kv_dtype"], first["layout"]),
                      ("float32", "stacked"))
