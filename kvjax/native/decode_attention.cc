@@ -251,22 +251,20 @@ inline float hsum(f16v x) {
 // dependent shuffles and adds): the latent logits' reduction cost per slot
 // falls ~3x.
 inline f16v lane_sums16(const f16v* v) {
+  // Lane k takes the first (lo) or second (hi) h lanes of each 2h-lane
+  // group of x, then of y: (k / h) · 2h + k % h (+ h), for h = 8, 4, 2, 1.
   constexpr i32x16 lo8 = {0, 1, 2, 3, 4, 5, 6, 7,
                           16, 17, 18, 19, 20, 21, 22, 23};
-  constexpr i32x16 hi8 = {8, 9, 10, 11, 12, 13, 14, 15,
-                          24, 25, 26, 27, 28, 29, 30, 31};
+  constexpr i32x16 hi8 = lo8 + 8;
   constexpr i32x16 lo4 = {0, 1, 2, 3, 8, 9, 10, 11,
                           16, 17, 18, 19, 24, 25, 26, 27};
-  constexpr i32x16 hi4 = {4, 5, 6, 7, 12, 13, 14, 15,
-                          20, 21, 22, 23, 28, 29, 30, 31};
+  constexpr i32x16 hi4 = lo4 + 4;
   constexpr i32x16 lo2 = {0, 1, 4, 5, 8, 9, 12, 13,
                           16, 17, 20, 21, 24, 25, 28, 29};
-  constexpr i32x16 hi2 = {2, 3, 6, 7, 10, 11, 14, 15,
-                          18, 19, 22, 23, 26, 27, 30, 31};
+  constexpr i32x16 hi2 = lo2 + 2;
   constexpr i32x16 lo1 = {0, 2, 4, 6, 8, 10, 12, 14,
                           16, 18, 20, 22, 24, 26, 28, 30};
-  constexpr i32x16 hi1 = {1, 3, 5, 7, 9, 11, 13, 15,
-                          17, 19, 21, 23, 25, 27, 29, 31};
+  constexpr i32x16 hi1 = lo1 + 1;
   // Each level halves the vectors and the partial sums per input vector,
   // keeping the inputs' order: level 1 puts v[2i]'s 8 partials in lanes
   // 0-7 and v[2i+1]'s in 8-15, level 2 four each, and so on.
@@ -299,45 +297,41 @@ inline void slot_group_logits(const float* __restrict__ qa, int64_t A,
   constexpr int P = 16 / GN;
   f16v acc[16];
   for (int i = 0; i < 16; ++i) acc[i] = f16v{};
+  // acc[p · GN + g] += q_g · row_p over the W channels in whole vectors;
+  // the channels past the last multiple of 16 (none for MLA's usual C and
+  // R) go into `tail` after the reduction.
+  auto dots = [&](const float* q, int64_t W, const T* rows) {
+    for (int64_t e = 0; e + kLanes <= W; e += kLanes) {
+      f16v kv[P];
+      for (int p = 0; p < P; ++p) kv[p] = load16(rows + p * W + e);
+      for (int g = 0; g < GN; ++g) {
+        const f16v qv = load16(q + g * W + e);
+        for (int p = 0; p < P; ++p) acc[p * GN + g] += qv * kv[p];
+      }
+    }
+  };
+  auto tails = [&](const float* q, int64_t W, const T* rows, f16v& tail) {
+    for (int64_t e = W / kLanes * kLanes; e < W; ++e)
+      for (int p = 0; p < P; ++p)
+        for (int g = 0; g < GN; ++g)
+          tail[p * GN + g] += q[g * W + e] * load1(rows[p * W + e]);
+  };
   const T* aj = a + j0 * A;
   const T* bj = b + j0 * R;
-  for (int64_t e = 0; e + kLanes <= A; e += kLanes) {
-    f16v kv[P];
-    for (int p = 0; p < P; ++p) kv[p] = load16(aj + p * A + e);
-    for (int g = 0; g < GN; ++g) {
-      const f16v qv = load16(qa + g * A + e);
-      for (int p = 0; p < P; ++p) acc[p * GN + g] += qv * kv[p];
-    }
-  }
+  dots(qa, A, aj);
   if (split) {
     rc = lane_sums16(acc);
     for (int i = 0; i < 16; ++i) acc[i] = f16v{};
   }
-  for (int64_t e = 0; e + kLanes <= R; e += kLanes) {
-    f16v kv[P];
-    for (int p = 0; p < P; ++p) kv[p] = load16(bj + p * R + e);
-    for (int g = 0; g < GN; ++g) {
-      const f16v qv = load16(qb + g * R + e);
-      for (int p = 0; p < P; ++p) acc[p * GN + g] += qv * kv[p];
-    }
-  }
+  dots(qb, R, bj);
   if (split) {
     rr = lane_sums16(acc);
   } else {
     rc = lane_sums16(acc);
     rr = f16v{};
   }
-  f16v& tail_a = rc;
-  f16v& tail_b = split ? rr : rc;
-  // Channels past the last multiple of 16 (none for MLA's usual C and R).
-  for (int64_t e = A / kLanes * kLanes; e < A; ++e)
-    for (int p = 0; p < P; ++p)
-      for (int g = 0; g < GN; ++g)
-        tail_a[p * GN + g] += qa[g * A + e] * load1(aj[p * A + e]);
-  for (int64_t e = R / kLanes * kLanes; e < R; ++e)
-    for (int p = 0; p < P; ++p)
-      for (int g = 0; g < GN; ++g)
-        tail_b[p * GN + g] += qb[g * R + e] * load1(bj[p * R + e]);
+  tails(qa, A, aj, rc);
+  tails(qb, R, bj, split ? rr : rc);
 }
 
 // The per-slot form of `block_logits_rows` for slots [j_begin, n) of the
