@@ -173,6 +173,19 @@ def _require(name: str) -> None:
                        "logged names why)")
 
 
+def _check_scales(name: str, int8: bool, *scales) -> None:
+  """Per-token scales come with int8 codes, and only with them."""
+  if any((x is None) == int8 for x in scales):
+    raise ValueError(f"{name}: per-token scales go with int8 codes, and only "
+                     "with them")
+
+
+def _scale_operand(x):
+  """A scale array as the kernel takes it: float32, or empty for float
+  storage (the FFI call has a fixed operand list)."""
+  return jnp.zeros((0,), jnp.float32) if x is None else x.astype(jnp.float32)
+
+
 def supports(k_dtype, v_dtype) -> str | None:
   """Why the kernel cannot attend keys and values of these dtypes (None
   when it can)."""
@@ -210,10 +223,8 @@ def decode_attend(q_BKGD, k_tiles, v, mask_BS, scale: float,
   why = supports(k_tiles.dtype, v.dtype)
   if why:
     raise ValueError(f"decode_attend: {why}")
-  int8 = k_tiles.dtype == jnp.int8
-  if (k_scale_BKS is None) == int8 or (v_scale_BKS is None) == int8:
-    raise ValueError("decode_attend: per-token scales go with int8 codes, "
-                     "and only with them")
+  _check_scales("decode_attend", k_tiles.dtype == jnp.int8, k_scale_BKS,
+                v_scale_BKS)
   E = v.shape[3]
   want_v = (B, K, S, E)
   want_k = (B, K, S // TILE, D, TILE)
@@ -222,15 +233,11 @@ def decode_attend(q_BKGD, k_tiles, v, mask_BS, scale: float,
                      f" values {v.shape} (want {want_v})")
   if mask_BS.shape != (B, S):
     raise ValueError(f"decode_attend: mask {mask_BS.shape}, want {(B, S)}")
-  empty = jnp.zeros((0,), jnp.float32)
   call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((B, K, G, E),
                                                        jnp.float32),
                           vmap_method="sequential")
-  return call(q_BKGD.astype(jnp.float32), k_tiles,
-              empty if k_scale_BKS is None else
-              k_scale_BKS.astype(jnp.float32), v,
-              empty if v_scale_BKS is None else
-              v_scale_BKS.astype(jnp.float32), mask_BS.astype(jnp.bool_),
+  return call(q_BKGD.astype(jnp.float32), k_tiles, _scale_operand(k_scale_BKS),
+              v, _scale_operand(v_scale_BKS), mask_BS.astype(jnp.bool_),
               scale=np.float32(scale))
 
 
@@ -265,9 +272,7 @@ def latent_attend(q_lat_BNC, q_rope_BNR, c_BSC, r_BSR, mask_BS,
                      f"{r_BSR.dtype}: float32, bfloat16 bits or int8 codes, "
                      "the same")
   int8 = c_BSC.dtype == jnp.int8
-  if (c_scale_BS is None) == int8 or (r_scale_BS is None) == int8:
-    raise ValueError("latent_attend: per-token scales go with int8 codes, "
-                     "and only with them")
+  _check_scales("latent_attend", int8, c_scale_BS, r_scale_BS)
   if (q_rope_BNR.shape != (B, N, R) or c_BSC.shape != (B, S, C) or
       r_BSR.shape != (B, S, R) or mask_BS.shape != (B, S) or
       (int8 and (c_scale_BS.shape != (B, S) or r_scale_BS.shape != (B, S)))):
@@ -277,13 +282,10 @@ def latent_attend(q_lat_BNC, q_rope_BNR, c_BSC, r_BSR, mask_BS,
         + (f", scales {c_scale_BS.shape} / {r_scale_BS.shape}" if int8 else
            "") + "; want [B, N, C], [B, N, R], [B, S, C], [B, S, R], [B, S]"
         + (", [B, S]" if int8 else ""))
-  empty = jnp.zeros((0,), jnp.float32)
   call = jax.ffi.ffi_call(LATENT_TARGET,
                           jax.ShapeDtypeStruct((B, N, C), jnp.float32),
                           vmap_method="sequential")
   return call(q_lat_BNC.astype(jnp.float32), q_rope_BNR.astype(jnp.float32),
-              c_BSC, empty if c_scale_BS is None else
-              c_scale_BS.astype(jnp.float32), r_BSR,
-              empty if r_scale_BS is None else
-              r_scale_BS.astype(jnp.float32), mask_BS.astype(jnp.bool_),
+              c_BSC, _scale_operand(c_scale_BS), r_BSR,
+              _scale_operand(r_scale_BS), mask_BS.astype(jnp.bool_),
               scale=np.float32(scale))
