@@ -76,10 +76,11 @@ def get_config(arg: str = "gqa") -> ml_collections.ConfigDict:
       log_every=10,
       seed=0,
       bos=False,  # rows start with BOS (a shared first token: sinks)
-      # bfloat16 operands, float32 accumulation (kvjax.mixed_precision):
-      # the faster training step on this host (WORKSPACE.md "Training
-      # speed"); 'float32' for full-precision products.
-      matmul_dtype="bfloat16",
+      # 'auto': bfloat16 operands with float32 accumulation where this
+      # backend multiplies them faster (kvjax.mixed_precision: the Intel
+      # Xeon's AMX), else float32 (the AMD EPYC's AVX2); WORKSPACE.md
+      # "Training speed". 'float32' / 'bfloat16' to fix it.
+      matmul_dtype="auto",
       # None: $KVJAX_DATA_DIR, else the user's cache directory
       # (kvjax.data.resolve_data_dir); `python -m kvjax.data --setup`.
       data_dir=ml_collections.config_dict.placeholder(str),

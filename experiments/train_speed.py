@@ -68,6 +68,8 @@ params = jax.jit(kvjax.init_params, static_argnums=0)(
     config, jax.random.key(tc.seed))
 # The preset's matmul precision where the checkout has the choice.
 dtype = getattr(tc, "matmul_dtype", None)
+if dtype and hasattr(train, "resolve_matmul_dtype"):  # 'auto' -> measured
+  dtype = train.resolve_matmul_dtype(dtype)
 logits_fn = (train.model_logits_fn(config, dtype) if dtype else
              train.model_logits_fn(config))
 state = train.create_train_state(params, logits_fn, train.make_optimizer(tc))

@@ -11,7 +11,11 @@ which precision it runs in. It is what TPUs do by default and what
 mixed-precision training on GPUs does with tensor cores; on a CPU with
 AMX or AVX-512 BF16 it is where the matmul throughput is: the Intel Xeon
 host runs the training step's products 2.2–4.4× faster in bfloat16 with
-float32 accumulation than in float32 (WORKSPACE.md "Training speed").
+float32 accumulation than in float32 (WORKSPACE.md "Training speed"). On a
+CPU without them (the AMD EPYC host: AVX2 only) XLA converts bfloat16
+operands back to float32 and the same products run slower than float32
+ones; `fastest_matmul_dtype` measures which of the two this backend runs
+faster, the choice a `matmul_dtype='auto'` training run takes.
 
 How: the function is traced to a jaxpr and re-evaluated with each
 `dot_general` whose operands are both float32 replaced by `bf16_dot`, a
@@ -35,6 +39,7 @@ WORKSPACE.md.
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable, Sequence
 
 import jax
@@ -50,6 +55,49 @@ _F32, _BF16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
 # their products are rewritten too. ('jaxpr' holds the body.)
 _INLINE = frozenset({"pjit", "jit", "closed_call", "core_call", "remat",
                      "checkpoint", "remat2"})
+
+
+# bfloat16 products are taken only where they are this much faster than
+# float32 ones: the hosts measured are far on either side (bfloat16 5.6x
+# faster on the Intel Xeon's AMX, 0.7x on the AMD EPYC's AVX2), so probe
+# noise on a shared host cannot flip the choice.
+_BF16_MIN_SPEEDUP = 1.25
+
+
+@functools.cache
+def matmul_speeds(n: int = 1024, repeats: int = 5) -> dict[str, float]:
+  """FLOP/s of an n × n × n product on the default backend, per operand
+  dtype: 'float32', and 'bfloat16' with float32 accumulation (the form
+  `bf16_dot` runs). Best of `repeats` after two warm-up calls; measured
+  once per process (~0.3 s of one CPU core at n = 1024)."""
+  if n < 1 or repeats < 1:
+    raise ValueError(f"n and repeats must be >= 1, got {n}, {repeats}")
+  product = jax.jit(lambda a, b: jnp.matmul(
+      a, b, preferred_element_type=_F32))
+  speeds = {}
+  for dtype in (_F32, _BF16):
+    a = jax.random.normal(jax.random.key(0), (n, n), _F32).astype(dtype)
+    b = jax.random.normal(jax.random.key(1), (n, n), _F32).astype(dtype)
+    times = []
+    for i in range(2 + repeats):
+      t0 = time.perf_counter()
+      product(a, b).block_until_ready()
+      if i >= 2:
+        times.append(time.perf_counter() - t0)
+    speeds[dtype.name] = 2.0 * n ** 3 / min(times)
+  return speeds
+
+
+def fastest_matmul_dtype() -> str:
+  """'bfloat16' where the default backend runs bfloat16 × bfloat16 →
+  float32 products at least 1.25× faster than float32 ones
+  (`matmul_speeds`: TPUs, GPU tensor cores, CPUs with AMX or AVX-512
+  BF16), else 'float32'. Measured, not looked up, so a new backend gets
+  the right answer without a table."""
+  speeds = matmul_speeds()
+  if speeds["bfloat16"] >= _BF16_MIN_SPEEDUP * speeds["float32"]:
+    return "bfloat16"
+  return "float32"
 
 
 def _dims(dimension_numbers):

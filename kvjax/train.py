@@ -54,7 +54,7 @@ from kvjax import probe
 Params = Any
 LogitsFn = Callable[[Params, jax.Array], jax.Array]
 
-MATMUL_DTYPES = ("float32", "bfloat16")
+MATMUL_DTYPES = ("auto", "float32", "bfloat16")
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
 CONFIG_FILE = "config.json"
@@ -86,7 +86,9 @@ class TrainConfig:
   bos: bool = False  # rows start with BOS (`data.train_batch`)
   # Operands of the model's matrix products: 'float32', or 'bfloat16' with
   # float32 accumulation (`kvjax.mixed_precision`; params, activations,
-  # softmax, loss and optimiser stay float32). Evaluation is float32.
+  # softmax, loss and optimiser stay float32), or 'auto': whichever of the
+  # two this backend multiplies faster (`resolve_matmul_dtype`).
+  # Evaluation is float32.
   matmul_dtype: str = "float32"
   data_dir: str | None = None  # None: $KVJAX_DATA_DIR or ./data/janeaustenr
 
@@ -132,11 +134,23 @@ def _check_matmul_dtype(matmul_dtype: str) -> None:
 # Model glue.
 
 
+def resolve_matmul_dtype(matmul_dtype: str) -> str:
+  """The product precision a run takes: 'float32' or 'bfloat16' as given;
+  'auto' -> `mixed_precision.fastest_matmul_dtype()` (bfloat16 on the Intel
+  Xeon host's AMX, float32 on the AMD EPYC host's AVX2, measured in the
+  process)."""
+  _check_matmul_dtype(matmul_dtype)
+  if matmul_dtype == "auto":
+    return mixed_precision.fastest_matmul_dtype()
+  return matmul_dtype
+
+
 def model_logits_fn(model_config, matmul_dtype: str = "float32") -> LogitsFn:
   """`logits_fn` for a kvjax model: (params, tokens [B,T]) -> logits [B,T,V];
   with matmul_dtype 'bfloat16' its products run on bfloat16 operands with
-  float32 accumulation (`mixed_precision.bf16_matmuls`)."""
-  _check_matmul_dtype(matmul_dtype)
+  float32 accumulation (`mixed_precision.bf16_matmuls`); 'auto' takes the
+  faster of the two on this backend (`resolve_matmul_dtype`)."""
+  matmul_dtype = resolve_matmul_dtype(matmul_dtype)
 
   def logits_fn(params, tokens_BT):
     # The training layout is chosen inside the step (`packed.for_training`):
@@ -511,6 +525,11 @@ def run(model_config, config: TrainConfig,
                                   seq_len=config.seq_len,
                                   num_batches=config.eval_batches,
                                   bos=config.bos)
+  # 'auto' resolved once, here: config.json and the log name the precision
+  # the run's products take.
+  config = dataclasses.replace(
+      config, matmul_dtype=resolve_matmul_dtype(config.matmul_dtype))
+  logging.info("matmul products in %s", config.matmul_dtype)
   workdir = pathlib.Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   model_config_dict = model_config.to_dict()

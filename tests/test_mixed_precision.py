@@ -2,6 +2,8 @@
 accumulation, forward and backward, as a function transformation, and the
 training seam that uses it (`TrainConfig.matmul_dtype`)."""
 
+from unittest import mock
+
 from absl.testing import absltest
 from absl.testing import parameterized
 import chex
@@ -185,6 +187,32 @@ class TrainingSeamTest(absltest.TestCase):
     config, _ = self._model()
     with self.assertRaisesRegex(ValueError, "matmul_dtype"):
       train_lib.model_logits_fn(config, "int8")
+
+  def test_auto_takes_bfloat16_only_where_it_multiplies_faster(self):
+    config, params = self._model()
+    tokens = jax.random.randint(jax.random.key(3), (2, 17), 0, 256)
+    for speeds, want in (({"float32": 100.0, "bfloat16": 560.0}, "bfloat16"),
+                         ({"float32": 68.0, "bfloat16": 48.0}, "float32"),
+                         # within the margin: the float32 products stay
+                         ({"float32": 100.0, "bfloat16": 120.0}, "float32")):
+      with mock.patch.object(mp, "matmul_speeds",
+                             return_value=speeds):
+        self.assertEqual(train_lib.resolve_matmul_dtype("auto"), want)
+        got = jax.jit(train_lib.model_logits_fn(config, "auto"))(params,
+                                                                  tokens)
+      ref = jax.jit(train_lib.model_logits_fn(config, want))(params, tokens)
+      np.testing.assert_array_equal(got, ref)
+    self.assertEqual(train_lib.resolve_matmul_dtype("float32"), "float32")
+    self.assertEqual(train_lib.resolve_matmul_dtype("bfloat16"), "bfloat16")
+
+  def test_matmul_speeds_measures_both_dtypes(self):
+    speeds = mp.matmul_speeds(n=64, repeats=1)
+    self.assertEqual(set(speeds), {"float32", "bfloat16"})
+    self.assertTrue(all(v > 0 for v in speeds.values()))
+    self.assertIn(mp.fastest_matmul_dtype(),
+                  ("float32", "bfloat16"))
+    with self.assertRaisesRegex(ValueError, "repeats"):
+      mp.matmul_speeds(n=64, repeats=0)
 
 
 if __name__ == "__main__":

@@ -1275,6 +1275,10 @@ def train_task_model(model_config, train_config, mixture: Mixture,
         f"{train_config.batch_size}) differ from the mixture's "
         f"({mixture.seq_len}, {mixture.batch_size})")
   orbax_checkpoint.quiet_orbax_logs()
+  # 'auto' resolved once, here: config.json names the precision taken.
+  train_config = dataclasses.replace(
+      train_config,
+      matmul_dtype=train.resolve_matmul_dtype(train_config.matmul_dtype))
   workdir = pathlib.Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   model_dict = model_config.to_dict()
