@@ -230,6 +230,7 @@ TASKS: dict[str, TaskSpec] = {
     "passkey_repeat": PasskeySpec(filler="repeat"),  # a training haystack
     "passkey_span": PasskeySpec(filler="span"),  # copying at long range
     "niah_single": NiahSpec(),  # niah_single_1
+    "niah_single_span": NiahSpec(filler="span"),  # a training haystack
     "niah_single_text": NiahSpec(filler="text"),  # niah_single_2
     "niah_multikey": NiahSpec(num_keys=4, filler="text"),  # niah_multikey_1
     "niah_multikey_needles": NiahSpec(filler="needles"),  # niah_multikey_2
