@@ -137,6 +137,9 @@ def get_config(arg: str = "gqa-passkey") -> ml_collections.ConfigDict:
   # train_task_model); steps 0 turns the curriculum off.
   cfg.curriculum = ml_collections.ConfigDict(dict(steps=curriculum_steps,
                                                   seq_len=curriculum_len))
+  # A task model's workdir to start from (fine-tuning; e.g.
+  # checkpoints/tasks-gqa-passkey), else a fresh init at train.seed.
+  cfg.init_from = ml_collections.config_dict.placeholder(str)
   cfg.train = ml_collections.ConfigDict(dict(
       seq_len=seq_len,
       batch_size=16,

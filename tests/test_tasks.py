@@ -765,6 +765,38 @@ class TrainTest(absltest.TestCase):
                                      min_seq_len=64),
                        short_steps=3, short_seq_len=112)
 
+  def test_init_from_starts_from_the_checkpoint_and_checks_its_config(self):
+    import dataclasses  # pylint: disable=g-import-not-at-top
+    import jax  # pylint: disable=g-import-not-at-top
+    from kvjax import orbax_checkpoint  # pylint: disable=g-import-not-at-top
+    from kvjax import train  # pylint: disable=g-import-not-at-top
+    config, _ = _tiny_model()
+    mixture = tasks.Mixture(tasks=(("passkey", 1.0),), seq_len=128,
+                            batch_size=2)
+    tc = train.TrainConfig(seq_len=128, batch_size=2, num_steps=2,
+                           warmup_steps=1, eval_every=2, eval_batches=1,
+                           checkpoint_every=2, log_every=1)
+    first = self.create_tempdir("first").full_path
+    tasks.train_task_model(config, tc, mixture, first)
+    _, trained = orbax_checkpoint.restore_params(first)
+    # A zero learning rate keeps the start: the tuned run's params are the
+    # first run's, not a fresh init's at the same seed.
+    frozen = dataclasses.replace(tc, lr=1e-30)
+    tuned = self.create_tempdir("tuned").full_path
+    tasks.train_task_model(config, frozen, mixture, tuned, init_from=first)
+    _, got = orbax_checkpoint.restore_params(tuned)
+    fresh = kvjax.init_params(config, jax.random.key(tc.seed))
+    for g, t, f in zip(*(jax.tree_util.tree_leaves(x)
+                         for x in (got, trained, fresh))):
+      np.testing.assert_allclose(np.asarray(g), np.asarray(t), rtol=1e-6,
+                                 atol=1e-6)
+      self.assertFalse(np.allclose(np.asarray(g), np.asarray(f)))
+    other = dataclasses.replace(config, mlp_dim=config.mlp_dim * 2)
+    with self.assertRaisesRegex(ValueError, r"init_from.*mlp_dim"):
+      tasks.train_task_model(other, tc, mixture,
+                             self.create_tempdir("other").full_path,
+                             init_from=first)
+
   def _check_resume(self, mixture, **curriculum):
     import shutil  # pylint: disable=g-import-not-at-top
     import jax  # pylint: disable=g-import-not-at-top

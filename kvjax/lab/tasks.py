@@ -1231,12 +1231,28 @@ def evaluate_mixture(state, eval_fn, batches: Sequence[TrainBatch]) -> dict:
           "targets": count}
 
 
+def _params_to_fine_tune(init_from, model_config):
+  """The latest params of the checkpoint at `init_from`, whose model config
+  must equal the run's (else ValueError naming the fields that differ)."""
+  from kvjax import orbax_checkpoint  # pylint: disable=g-import-not-at-top
+  saved, params = orbax_checkpoint.restore_params(init_from)
+  if saved != model_config:
+    differ = sorted(f.name for f in dataclasses.fields(model_config)
+                    if getattr(saved, f.name) != getattr(model_config, f.name))
+    raise ValueError(f"init_from={str(init_from)!r}: its model config "
+                     f"differs from the run's in {differ}")
+  return params
+
+
 def train_task_model(model_config, train_config, mixture: Mixture,
                      workdir, *, haystack: np.ndarray | None = None,
                      text: np.ndarray | None = None,
-                     short_steps: int = 0, short_seq_len: int = 0) -> dict:
+                     short_steps: int = 0, short_seq_len: int = 0,
+                     init_from=None) -> dict:
   """Trains a kvjax model on `mixture`, resuming from `workdir` when it
-  holds a checkpoint.
+  holds a checkpoint; a fresh run starts from `init_from`'s weights (a
+  task model's workdir, e.g. `checkpoints/tasks-gqa-passkey`: fine-tuning
+  onto a new mixture) when given, else from `init_params` at the seed.
 
   A length curriculum: the first `short_steps` updates draw their batches
   from the mixture at one fixed length, seq_len `short_seq_len` and no
@@ -1288,8 +1304,11 @@ def train_task_model(model_config, train_config, mixture: Mixture,
                "train": dataclasses.asdict(train_config),
                "tasks": dataclasses.asdict(mixture)}, f, indent=2)
   step_fn, eval_fn = _masked_step_fns()
-  params = jax.jit(kvjax.init_params, static_argnums=0)(
-      model_config, jax.random.key(train_config.seed))
+  if init_from is None:
+    params = jax.jit(kvjax.init_params, static_argnums=0)(
+        model_config, jax.random.key(train_config.seed))
+  else:
+    params = _params_to_fine_tune(init_from, model_config)
   state = train.create_train_state(
       params, train.model_logits_fn(model_config, train_config.matmul_dtype),
       train.make_optimizer(train_config),
@@ -1357,7 +1376,8 @@ def _main(argv):
                            mixture, flags.FLAGS.workdir, haystack=haystack,
                            text=text,
                            short_steps=int(curriculum.get("steps", 0)),
-                           short_seq_len=int(curriculum.get("seq_len", 0)))
+                           short_seq_len=int(curriculum.get("seq_len", 0)),
+                           init_from=cfg.get("init_from"))
   logging.info("done: %s", final)
 
 
