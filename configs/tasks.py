@@ -54,20 +54,23 @@ import functools
 import ml_collections
 
 VARIANTS = ("mha", "mqa", "gqa", "mla")
+# names and weights are tuples so that a run can override them, e.g.
+# --config.tasks.names="('niah_single', 'niah_single_span')" (ml_collections
+# does not override lists).
 MIXTURES = {
-    "passkey": dict(names=["passkey", "passkey_span"], weights=[1.0, 1.0],
+    "passkey": dict(names=("passkey", "passkey_span"), weights=(1.0, 1.0),
                     seq_len=256, prompt_loss=True, min_seq_len=64,
                     curriculum=(1500, 128), steps=4000),
-    "mqar": dict(names=["mqar"], weights=[1.0], seq_len=256,
+    "mqar": dict(names=("mqar",), weights=(1.0,), seq_len=256,
                  prompt_loss=False, min_seq_len=64, curriculum=(1500, 128)),
-    "niah": dict(names=["niah_single", "niah_single_span",
-                        "niah_multikey_needles"],
-                 weights=[1.0, 1.0, 1.0], seq_len=256, prompt_loss=True,
+    "niah": dict(names=("niah_single", "niah_single_span",
+                        "niah_multikey_needles"),
+                 weights=(1.0, 1.0, 1.0), seq_len=256, prompt_loss=True,
                  min_seq_len=64, curriculum=(1500, 128), steps=4000),
-    "mix": dict(names=["passkey", "niah_single", "niah_multikey",
+    "mix": dict(names=("passkey", "niah_single", "niah_multikey",
                        "niah_multikey_needles", "niah_multivalue",
-                       "niah_multiquery", "mqar"],
-                weights=[1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 2.0], seq_len=512,
+                       "niah_multiquery", "mqar"),
+                weights=(1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 2.0), seq_len=512,
                 prompt_loss=True, min_seq_len=None, curriculum=(0, 0)),
 }
 PRESETS = tuple(f"{v}-{m}" for v in VARIANTS for m in MIXTURES)
