@@ -28,6 +28,10 @@ whole row, else on the answers only; validation always scores answers):
            answers of every query (Zoology's objective)
   niah     RULER single-key and needle-haystack multi-key, T = 256,
            prompt_loss
+  needle   RULER's single needle (niah_single) alone, half the rows with the
+           span filler (`niah_single_span`), T = 256, prompt_loss: what
+           niah's key matching (niah_multikey_needles) failed to learn in
+           5,000 updates is left out; fine-tuned from the passkey model
   mix      passkey, RULER's families and MQAR at T = 512 (multi-value and
            multi-query prompts need > 256 bytes), prompt_loss
 
@@ -67,6 +71,10 @@ MIXTURES = {
                         "niah_multikey_needles"),
                  weights=(1.0, 1.0, 1.0), seq_len=256, prompt_loss=True,
                  min_seq_len=64, curriculum=(1500, 128), steps=4000),
+    "needle": dict(names=("niah_single", "niah_single_span"),
+                   weights=(1.0, 1.0), seq_len=256, prompt_loss=True,
+                   min_seq_len=64, curriculum=(0, 0), steps=3000, lr=1e-3,
+                   init_from="checkpoints/tasks-{variant}-passkey"),
     "mix": dict(names=("passkey", "niah_single", "niah_multikey",
                        "niah_multikey_needles", "niah_multivalue",
                        "niah_multiquery", "mqar"),
@@ -130,6 +138,8 @@ def get_config(arg: str = "gqa-passkey") -> ml_collections.ConfigDict:
   seq_len = mix.pop("seq_len")
   num_steps = mix.pop("steps", 3400)
   curriculum_steps, curriculum_len = mix.pop("curriculum")
+  lr = mix.pop("lr", 3e-3)
+  init_from = mix.pop("init_from", None)
   cfg = ml_collections.ConfigDict()
   cfg.preset = f"{variant}-{mixture}"
   cfg.model = ml_collections.ConfigDict(model_dict(variant))
@@ -142,12 +152,14 @@ def get_config(arg: str = "gqa-passkey") -> ml_collections.ConfigDict:
                                                   seq_len=curriculum_len))
   # A task model's workdir to start from (fine-tuning; e.g.
   # checkpoints/tasks-gqa-passkey), else a fresh init at train.seed.
-  cfg.init_from = ml_collections.config_dict.placeholder(str)
+  cfg.init_from = ml_collections.FieldReference(
+      None if init_from is None else init_from.format(variant=variant),
+      field_type=str)
   cfg.train = ml_collections.ConfigDict(dict(
       seq_len=seq_len,
       batch_size=16,
       num_steps=num_steps,
-      lr=3e-3,
+      lr=lr,
       warmup_steps=50,
       min_lr_ratio=0.1,
       weight_decay=0.1,

@@ -164,6 +164,25 @@ def available() -> bool:
   return True
 
 
+def _has_avx512() -> bool:
+  return "avx512f" in _cpu_id().split()
+
+
+@functools.lru_cache(maxsize=None)
+def preferred() -> bool:
+  """Whether 'auto' decode takes the kernel: where it is available and the
+  host has AVX-512 (`KVJAX_NATIVE=1` takes it wherever it builds).
+
+  Chosen by measurement (WORKSPACE.md "Quantized caches, and the
+  cache-dominated regime"): on an Intel Xeon (AVX-512) the kernel reads the
+  cache at 53-81 % of the read probe, where XLA's views did not; on an AMD
+  EPYC with AVX2 only, XLA's layered view is 2.2-3.9x faster than the
+  kernel (gqa-small and mla-small, batch 8, 2k-8k, float32 and int8).
+  """
+  forced = os.environ.get("KVJAX_NATIVE") == "1"
+  return available() and (forced or _has_avx512())
+
+
 def _require(name: str) -> None:
   """Registers the kernel for `name`'s call, or says why it cannot run
   (rather than XLA's "no FFI handler registered" at dispatch)."""

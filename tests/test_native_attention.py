@@ -14,6 +14,7 @@ path's tokens and logits, and 'auto' picks it wherever it can run.
 import os
 import subprocess
 import sys
+from unittest import mock
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -257,7 +258,33 @@ class NativeViewTest(parameterized.TestCase):
     # stored code by one step, hence the storage's tolerance.
     assert_close(logits, ref_logits, tiny(variant), cache=kv)
 
-  def test_auto_picks_the_kernel_wherever_it_runs(self):
+  def test_auto_takes_the_xla_views_where_the_kernel_is_not_preferred(self):
+    config = tiny("gqa")
+    params = kvjax.pack(tiny_params("gqa"), config)
+    with mock.patch.object(native_attention, "preferred", return_value=False):
+      for kv in ("float32", "int8"):
+        plan = decode.plan(params, config,
+                           cache_lib.CachePolicy(kv_dtype=kv), 8, 100, 2000,
+                           4096)
+        self.assertNotIn("native", plan.layouts + (plan.layout,), kv)
+        self.assertIn("layered", plan.layouts + (plan.layout,), kv)
+
+  def test_preferred_needs_avx512_unless_forced(self):
+    for flags_line, env, want in (("flags : avx2 avx512f", {}, True),
+                                  ("flags : avx2 fma", {}, False),
+                                  ("flags : avx2 fma", {"KVJAX_NATIVE": "1"},
+                                   True)):
+      native_attention.preferred.cache_clear()
+      with mock.patch.object(native_attention, "_cpu_id",
+                             return_value=flags_line), \
+           mock.patch.dict(os.environ, env), \
+           mock.patch.object(native_attention, "available",
+                             return_value=True):
+        self.assertEqual(native_attention.preferred(), want, flags_line)
+    native_attention.preferred.cache_clear()
+
+  @mock.patch.object(native_attention, "preferred", return_value=True)
+  def test_auto_picks_the_kernel_wherever_it_runs(self, _):
     config = tiny("gqa")
     params = kvjax.pack(tiny_params("gqa"), config)
     for kv in native_layered.NATIVE_DTYPES:
