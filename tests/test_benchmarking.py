@@ -6,6 +6,7 @@ caches and params, and the matrix leaves of the params pytree.
 
 import functools
 import time
+from unittest import mock
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -15,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import kvjax
+from kvjax import native_attention
 from kvjax.lab import benchmarking as bm
 from kvjax import inference
 from configs import model as model_presets
@@ -226,7 +228,9 @@ class FilledCacheTest(parameterized.TestCase):
 
 class DecodeStepsTest(parameterized.TestCase):
 
-  def test_alternating_kinds_report_their_layout_and_speed_up(self):
+  # The kernel's view as on an AVX-512 host, whatever this one is.
+  @mock.patch.object(native_attention, "preferred", return_value=True)
+  def test_alternating_kinds_report_their_layout_and_speed_up(self, _):
     config = tiny("gqa")
     # Packed, as generate lays out wider models itself (`packed.for_decode`).
     params = kvjax.pack(kvjax.init_params(config, jax.random.key(0)), config)
