@@ -165,8 +165,9 @@ def plan(params, config: ModelConfig, policy: cache_lib.CachePolicy,
   MLA's latents (`layered_latent.LAYERED_LATENT_DTYPES`, absorbed decode
   path); 'native' what the CPU kernel reads (`native_layered.NATIVE_DTYPES`,
   MLA's `native_latent.NATIVE_LATENT_DTYPES`) where it built. 'auto'
-  (CPU params, where they were measured): 'native' wherever
-  `native_attention.preferred()` (built, on an AVX-512 host; WORKSPACE.md "Quantized caches, and the cache-dominated regime");
+  (CPU params, where they were measured): 'native' where
+  `native_attention.preferred()` (built, on an AVX-512 host; WORKSPACE.md
+  "Quantized caches, and the cache-dominated regime");
   else 'layered' for int8 / int4 caches at every batch (MLA's latents
   too); for the GQA family's float caches from LAYERED_MIN_BATCH sequences
   on, 'layered' in segments attending LAYERED_MIN_SLOTS slots or more;

@@ -164,10 +164,6 @@ def available() -> bool:
   return True
 
 
-def _has_avx512() -> bool:
-  return "avx512f" in _cpu_id().split()
-
-
 @functools.lru_cache(maxsize=None)
 def preferred() -> bool:
   """Whether 'auto' decode takes the kernel: where it is available and the
@@ -180,7 +176,7 @@ def preferred() -> bool:
   kernel (gqa-small and mla-small, batch 8, 2k-8k, float32 and int8).
   """
   forced = os.environ.get("KVJAX_NATIVE") == "1"
-  return available() and (forced or _has_avx512())
+  return available() and (forced or "avx512f" in _cpu_id().split())
 
 
 def _require(name: str) -> None:
