@@ -81,6 +81,10 @@ def get_config(arg: str = "gqa") -> ml_collections.ConfigDict:
       # Xeon's AMX), else float32 (the AMD EPYC's AVX2); WORKSPACE.md
       # "Training speed". 'float32' / 'bfloat16' to fix it.
       matmul_dtype="auto",
+      # The step's 16 rows as 4 groups of 4, gradients summed (the same
+      # gradient up to float reassociation; kvjax.train.TrainConfig): the
+      # groups' elementwise passes overlap the others' products on XLA:CPU.
+      microbatches=4,
       # None: $KVJAX_DATA_DIR, else the user's cache directory
       # (kvjax.data.resolve_data_dir); `python -m kvjax.data --setup`.
       data_dir=ml_collections.config_dict.placeholder(str),

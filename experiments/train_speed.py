@@ -72,7 +72,11 @@ if dtype and hasattr(train, "resolve_matmul_dtype"):  # 'auto' -> measured
   dtype = train.resolve_matmul_dtype(dtype)
 logits_fn = (train.model_logits_fn(config, dtype) if dtype else
              train.model_logits_fn(config))
-state = train.create_train_state(params, logits_fn, train.make_optimizer(tc))
+# The preset's row groups where the checkout has them.
+groups = getattr(tc, "microbatches", 1)
+state = train.create_train_state(params, logits_fn, train.make_optimizer(tc),
+                                 **({"microbatches": groups} if groups > 1
+                                    else {}))
 batch = jnp.asarray(np.random.default_rng(0).integers(
     0, 256, (tc.batch_size, tc.seq_len + 1)), jnp.int32)
 for _ in range(2):

@@ -193,6 +193,69 @@ class TrainStepTest(TrainTestCase):
     chex.assert_trees_all_equal(ma, mb)
 
 
+class MicrobatchTest(TrainTestCase):
+  """`TrainConfig.microbatches`: row groups whose gradients sum to the
+  batch's, on the kvjax model (the stand-in has no products to overlap)."""
+
+  def _model(self):
+    model_config = configs.model_config(
+        _load_train_configs().get_config("gqa").model).replace(
+            num_layers=2, embed_dim=64, num_heads=4, num_kv_heads=2,
+            head_dim_override=16, mlp_dim=96)
+    params = jax.jit(kvjax.init_params, static_argnums=0)(model_config,
+                                                          jax.random.key(0))
+    return params, train_lib.model_logits_fn(model_config)
+
+  def _batch(self):
+    batch = np.asarray(data.train_batch(self.stream, batch_size=8,
+                                        seq_len=16, seed=0, step=0))
+    # PAD targets in one group only: the groups count different targets,
+    # so a per-group mean would weight them wrongly.
+    batch[1, 9:] = data.PAD
+    batch[2, 3:] = data.PAD
+    return jnp.asarray(batch)
+
+  def test_groups_sum_to_the_batch_gradient(self):
+    params, logits_fn = self._model()
+    batch = self._batch()
+    want_loss, want_grads = jax.value_and_grad(
+        lambda p: train_lib.batch_loss(p, logits_fn, batch)[0])(params)
+    one = jax.jit(train_lib.loss_and_grads, static_argnums=(1, 3))
+    loss, grads = one(params, logits_fn, batch, 1)
+    chex.assert_trees_all_close(loss, want_loss, rtol=1e-6)
+    chex.assert_trees_all_close(grads, want_grads, rtol=1e-5, atol=1e-8)
+    for groups in (2, 4, 8):
+      loss, grads = one(params, logits_fn, batch, groups)
+      chex.assert_trees_all_close(loss, want_loss, rtol=1e-5)
+      chex.assert_trees_all_close(grads, want_grads, rtol=1e-4, atol=1e-7)
+
+  def test_train_step_with_groups_matches_one_group(self):
+    params, logits_fn = self._model()
+    batch = self._batch()
+    tx = train_lib.make_optimizer(_config())
+    states = [train_lib.create_train_state(jax.tree.map(jnp.copy, params),
+                                           logits_fn, tx, microbatches=m)
+              for m in (1, 4)]
+    (a, ma), (b, mb) = [train_lib.train_step(s, batch) for s in states]
+    self.assertEqual(b.microbatches, 4)
+    chex.assert_trees_all_close(mb, ma, rtol=1e-5)
+    chex.assert_trees_all_close(b.params, a.params, rtol=1e-5, atol=1e-6)
+
+  def test_groups_must_divide_the_batch(self):
+    with self.assertRaisesRegex(ValueError, "microbatches=3 must divide "
+                                "batch_size=4"):
+      _config(microbatches=3)
+    with self.assertRaisesRegex(ValueError, "microbatches must be >= 1"):
+      _config(microbatches=0)
+    params, logits_fn = self._model()
+    with self.assertRaisesRegex(ValueError, "microbatches=3 must divide"):
+      train_lib.loss_and_grads(params, logits_fn, self._batch(), 3)
+    with self.assertRaisesRegex(ValueError, "microbatches must be >= 1"):
+      train_lib.create_train_state(params, logits_fn,
+                                   train_lib.make_optimizer(_config()),
+                                   microbatches=0)
+
+
 class CheckpointTest(TrainTestCase):
 
   def test_save_restore_identical(self):
