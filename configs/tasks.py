@@ -32,6 +32,10 @@ whole row, else on the answers only; validation always scores answers):
            span filler (`niah_single_span`), T = 256, prompt_loss: what
            niah's key matching (niah_multikey_needles) failed to learn in
            5,000 updates is left out; fine-tuned from the passkey model
+  recall   MQAR alone (answer loss only), half the rows with
+           `mqar_dense` (12 queries a row, Zoology's dense objective);
+           fine-tuned from the passkey model, whose retrieval heads already
+           match a multi-byte context ("pass key is") and copy what follows
   mix      passkey, RULER's families and MQAR at T = 512 (multi-value and
            multi-query prompts need > 256 bytes), prompt_loss
 
@@ -74,6 +78,10 @@ MIXTURES = {
     "needle": dict(names=("niah_single", "niah_single_span"),
                    weights=(1.0, 1.0), seq_len=256, prompt_loss=True,
                    min_seq_len=64, curriculum=(0, 0), steps=3000, lr=1e-3,
+                   init_from="checkpoints/tasks-{variant}-passkey"),
+    "recall": dict(names=("mqar", "mqar_dense"), weights=(1.0, 1.0),
+                   seq_len=256, prompt_loss=False, min_seq_len=64,
+                   curriculum=(0, 0), steps=6000, lr=1e-3,
                    init_from="checkpoints/tasks-{variant}-passkey"),
     "mix": dict(names=("passkey", "niah_single", "niah_multikey",
                        "niah_multikey_needles", "niah_multivalue",

@@ -24,9 +24,13 @@ both run float32 products; with bfloat16 operands on one side they differ
 by that rounding (printed; the validation bits/byte a full run reaches is
 the quality check, WORKSPACE.md "Training speed").
 
-Prints one line per variant: tokens/s of each, the speed-up (median over
-rounds of base time / head time), MFU of each and the losses; writes
-train_speed.json (with the CPU model) to --workdir.
+--microbatches=1,4 times the head once per row-group count
+(`TrainConfig.microbatches`) in the same alternating rounds, so what the
+groups buy is a same-run ratio too (default: the preset's count alone).
+
+Prints one line per variant and head count: tokens/s of each, the
+speed-up (median over rounds of base time / head time), MFU of each and
+the losses; writes train_speed.json (with the CPU model) to --workdir.
 """
 
 import json
@@ -51,6 +55,9 @@ _REPEATS = flags.DEFINE_integer("repeats", 8, "Timed steps per subprocess.",
                                 lower_bound=1)
 _WORKDIR = flags.DEFINE_string("workdir", "workdir/train_speed",
                                "Output directory.")
+_MICROBATCHES = flags.DEFINE_list(
+    "microbatches", None, "Row-group counts to time the head at (default: "
+    "the preset's); the base runs its own step.")
 
 # Run inside each checkout; uses only API both sides share.
 _PROBE = r"""
@@ -60,7 +67,7 @@ import kvjax
 from kvjax import configs as cfg_lib
 from kvjax import train
 from configs import train as presets
-variant, repeats = sys.argv[1], int(sys.argv[2])
+variant, repeats, groups = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 cfg = presets.get_config(variant)
 config = cfg_lib.model_config(cfg.model)
 tc = train.TrainConfig.from_dict(cfg.train.to_dict())
@@ -72,8 +79,7 @@ if dtype and hasattr(train, "resolve_matmul_dtype"):  # 'auto' -> measured
   dtype = train.resolve_matmul_dtype(dtype)
 logits_fn = (train.model_logits_fn(config, dtype) if dtype else
              train.model_logits_fn(config))
-# The preset's row groups where the checkout has them.
-groups = getattr(tc, "microbatches", 1)
+# Row groups where the checkout has them (a base without them gets 1).
 state = train.create_train_state(params, logits_fn, train.make_optimizer(tc),
                                  **({"microbatches": groups} if groups > 1
                                     else {}))
@@ -89,12 +95,27 @@ for _ in range(repeats):
   jax.block_until_ready(m)
   ts.append(time.perf_counter() - t0)
 print(json.dumps(dict(median_s=statistics.median(ts), times=ts,
-                      loss=float(m["loss"]), matmul_dtype=dtype or "float32")))
+                      loss=float(m["loss"]), matmul_dtype=dtype or "float32",
+                      microbatches=groups)))
 """
 
 
-def _probe(tree: str, variant: str) -> dict:
-  return bm.run_probe(tree, _PROBE, variant, _REPEATS.value)
+def _probe(tree: str, variant: str, groups: int = 1) -> dict:
+  return bm.run_probe(tree, _PROBE, variant, _REPEATS.value, groups)
+
+
+def head_groups(variant: str) -> list[int]:
+  """The head's row-group counts to time: --microbatches, else the
+  preset's."""
+  if _MICROBATCHES.value:
+    groups = [int(g) for g in _MICROBATCHES.value]
+    batch = train_presets.get_config(variant).train.batch_size
+    bad = [g for g in groups if g < 1 or batch % g]
+    if bad:
+      raise ValueError(f"--microbatches {bad}: each must be >= 1 and divide "
+                       f"the batch of {batch} rows")
+    return groups
+  return [train_presets.get_config(variant).train.get("microbatches", 1)]
 
 
 def step_flops(variant: str) -> tuple[float, int]:
@@ -109,50 +130,58 @@ def main(argv):
   del argv
   head = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   os.makedirs(_WORKDIR.value, exist_ok=True)
+  groups_of = {v: head_groups(v) for v in _VARIANTS.value}  # flags first
   rows = []
   with bm.commit_checkout(head, _BASE.value) as base:
     for variant in _VARIANTS.value:
       flops, tokens = step_flops(variant)
-      t = {"base": [], "head": []}
+      sides = [("base", base, 1)] + [(f"head_mb{g}", head, g)
+                                     for g in groups_of[variant]]
+      t = {side: [] for side, _, _ in sides}
       loss, dtype = {}, {}
       peaks = {"float32": [], "bfloat16": []}
       for _ in range(_ROUNDS.value):
         for d in peaks:
           peaks[d].append(bm.matmul_peak(dtype=d)["flops_per_s"])
-        for side, tree in (("base", base), ("head", head)):
-          r = _probe(tree, variant)
+        for side, tree, groups in sides:
+          r = _probe(tree, variant, groups)
           t[side].append(r["median_s"])
           loss[side], dtype[side] = r["loss"], r.get("matmul_dtype",
                                                      "float32")
-      speedups = [b / h for b, h in zip(t["base"], t["head"])]
       peak_of = {d: statistics.median(v) for d, v in peaks.items()}
       peak = peak_of["float32"]
       med = {side: statistics.median(v) for side, v in t.items()}
-      row = dict(variant=variant, tokens_per_step=tokens,
-                 model_flops_per_step=flops, matmul_peak_flops_per_s=peak,
-                 base_s=t["base"], head_s=t["head"],
-                 speedup=statistics.median(speedups), speedups=speedups,
-                 **{f"{side}_tokens_per_s": tokens / med[side]
-                    for side in med},
-                 bf16_matmul_peak_flops_per_s=peak_of["bfloat16"],
-                 **{f"{side}_matmul_dtype": dtype[side] for side in med},
-                 # Against the probe of the side's own product precision.
-                 **{f"{side}_mfu": flops / med[side] / peak_of[dtype[side]]
-                    for side in med},
-                 **{f"{side}_mfu_f32_probe": flops / med[side] / peak
-                    for side in med},
-                 base_loss=loss["base"], head_loss=loss["head"])
-      rows.append(row)
-      print(f"{variant}: head ({dtype['head']} products) "
-            f"{row['head_tokens_per_s']:.0f} tok/s (MFU {row['head_mfu']:.1%}"
-            f"; {row['head_mfu_f32_probe']:.1%} of the float32 probe), base "
-            f"({dtype['base']}) {row['base_tokens_per_s']:.0f} tok/s (MFU "
-            f"{row['base_mfu']:.1%}); speed-up {row['speedup']:.2f}x "
-            f"(rounds {', '.join(f'{s:.2f}' for s in speedups)}); matmul "
-            f"probes {peak / 1e9:.0f} GFLOP/s float32, "
-            f"{peak_of['bfloat16'] / 1e9:.0f} bfloat16; loss after "
-            f"{_REPEATS.value + 2} steps base {loss['base']:.6f}, head "
-            f"{loss['head']:.6f}", flush=True)
+      for side, _, groups in sides[1:]:
+        speedups = [b / h for b, h in zip(t["base"], t[side])]
+        row = dict(variant=variant, microbatches=groups,
+                   tokens_per_step=tokens, model_flops_per_step=flops,
+                   matmul_peak_flops_per_s=peak,
+                   bf16_matmul_peak_flops_per_s=peak_of["bfloat16"],
+                   base_s=t["base"], head_s=t[side],
+                   speedup=statistics.median(speedups), speedups=speedups,
+                   base_tokens_per_s=tokens / med["base"],
+                   head_tokens_per_s=tokens / med[side],
+                   base_matmul_dtype=dtype["base"],
+                   head_matmul_dtype=dtype[side],
+                   # Against the probe of the side's own product precision.
+                   base_mfu=flops / med["base"] / peak_of[dtype["base"]],
+                   head_mfu=flops / med[side] / peak_of[dtype[side]],
+                   base_mfu_f32_probe=flops / med["base"] / peak,
+                   head_mfu_f32_probe=flops / med[side] / peak,
+                   base_loss=loss["base"], head_loss=loss[side])
+        rows.append(row)
+        print(f"{variant}: head ({row['head_matmul_dtype']} products, "
+              f"{groups} row group{'s' if groups > 1 else ''}) "
+              f"{row['head_tokens_per_s']:.0f} tok/s (MFU "
+              f"{row['head_mfu']:.1%}; {row['head_mfu_f32_probe']:.1%} of the "
+              f"float32 probe), base ({row['base_matmul_dtype']}) "
+              f"{row['base_tokens_per_s']:.0f} tok/s (MFU "
+              f"{row['base_mfu']:.1%}); speed-up {row['speedup']:.2f}x "
+              f"(rounds {', '.join(f'{s:.2f}' for s in speedups)}); matmul "
+              f"probes {peak / 1e9:.0f} GFLOP/s float32, "
+              f"{peak_of['bfloat16'] / 1e9:.0f} bfloat16; loss after "
+              f"{_REPEATS.value + 2} steps base {row['base_loss']:.6f}, head "
+              f"{row['head_loss']:.6f}", flush=True)
   result = dict(base=_BASE.value, **bm.revision(head),
                 host=bm.machine_info(), rows=rows)
   with open(os.path.join(_WORKDIR.value, "train_speed.json"), "w") as f:

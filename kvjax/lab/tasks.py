@@ -237,6 +237,9 @@ TASKS: dict[str, TaskSpec] = {
     "niah_multivalue": NiahSpec(num_values=4, filler="text"),
     "niah_multiquery": NiahSpec(num_keys=4, num_queries=4, filler="text"),
     "mqar": MqarSpec(),
+    # A training variant: Zoology's dense objective, most keys queried and
+    # every answered query supervised (12 per row against mqar's 4).
+    "mqar_dense": MqarSpec(num_queries=12),
 }
 
 
