@@ -36,6 +36,9 @@ whole row, else on the answers only; validation always scores answers):
            `mqar_dense` (12 queries a row, Zoology's dense objective);
            fine-tuned from the passkey model, whose retrieval heads already
            match a multi-byte context ("pass key is") and copy what follows
+  zoology  Zoology's MQAR exactly: one-letter keys, one-digit values
+           (`mqar1`; half the rows `mqar1_dense`, 12 queries), T = 256
+           (26 pairs), answer loss only, from scratch
   mix      passkey, RULER's families and MQAR at T = 512 (multi-value and
            multi-query prompts need > 256 bytes), prompt_loss
 
@@ -84,6 +87,9 @@ MIXTURES = {
                    seq_len=256, prompt_loss=False, min_seq_len=64,
                    curriculum=(0, 0), steps=6000, lr=1e-3,
                    init_from="checkpoints/tasks-{variant}-passkey"),
+    "zoology": dict(names=("mqar1", "mqar1_dense"), weights=(1.0, 1.0),
+                    seq_len=256, prompt_loss=False, min_seq_len=64,
+                    curriculum=(0, 0), steps=3000),
     "mix": dict(names=("passkey", "niah_single", "niah_multikey",
                        "niah_multikey_needles", "niah_multivalue",
                        "niah_multiquery", "mqar"),

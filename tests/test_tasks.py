@@ -204,6 +204,23 @@ class GeneratorTest(parameterized.TestCase):
     keys = re.findall(r" ([a-z]+)=", data.decode(ex.tokens[:ex.context[1]]))
     self.assertLen(set(keys), len(keys))
 
+  def test_mqar_pairs_capped_at_the_keys(self):
+    # One-letter keys: 26 pairs at most however long the prompt; the rest
+    # of it is the leading spaces, and every key is still distinct.
+    spec = tasks.get_task("mqar1")
+    for length in (256, 4096):
+      ex = tasks.generate("mqar1", length, 1.0, 3)
+      self.assertEqual(ex.needles.shape[0], 26)
+      self.assertEqual(spec.num_pairs(length), 26)
+      text = data.decode(ex.tokens[:ex.context[1]])
+      keys = re.findall(r" ([a-z])=\d", text)
+      self.assertLen(set(keys), 26)
+      self.assertTrue(text[1:].startswith(" " * (length - 200)))
+      np.testing.assert_array_equal(
+          tasks.reference_answer("mqar1", ex.tokens), ex.answer)
+    # Below the cap the count is what fits.
+    self.assertEqual(spec.num_pairs(60), (60 - spec._fixed) // 4)  # pylint: disable=protected-access
+
   @parameterized.named_parameters(
       ("unknown_task", dict(task="nope"), "unknown task"),
       ("short", dict(length=20), "length=20 is below the minimum"),
@@ -218,8 +235,6 @@ class GeneratorTest(parameterized.TestCase):
       tasks.generate(**args)
 
   def test_spec_validation(self):
-    with self.assertRaisesRegex(ValueError, "distinct keys"):
-      tasks.generate(tasks.MqarSpec(key_length=1), 512, 0.5, 0)
     with self.assertRaisesRegex(ValueError, "num_queries"):
       tasks.NiahSpec(num_keys=1, num_queries=2)
     with self.assertRaisesRegex(ValueError, "filler"):

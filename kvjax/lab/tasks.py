@@ -28,6 +28,8 @@ Formats (one token per byte, `kvjax.data`; <BOS> is the BOS token):
               -> "..., ..., ..., ..." (in the order asked)
   mqar        <BOS>{spaces} kqz=184 abt=902 ... wer=377\n abt=902 wer=377 kqz=
               -> "184"
+  mqar1       <BOS>{spaces} k=1 a=9 ... w=3\n a=9 w=3 k=  -> "1" (Zoology's
+              one-token keys and values; 26 pairs at most)
 
 The noise filler is Mohtashami & Jaggi's (" The grass is green. The sky is
 blue. The sun is yellow. Here we go. There and back again."), which RULER's
@@ -181,7 +183,9 @@ class MqarSpec:
   """Multi-query associative recall over byte keys and values.
 
   Pairs ' {key}={value}' (key: `key_length` lowercase letters, distinct;
-  value: `value_digits` digits, repeats allowed) fill the context; a newline
+  value: `value_digits` digits, repeats allowed) fill the context, as many
+  as fit and at most one per key (spaces before them pad the prompt to its
+  length); a newline
   starts the queries: `num_queries - 1` answered ones (' {key}={value}',
   the Zoology setting, a training signal at every answer) and a last one
   (' {key}=') whose value is the answer. Queried keys are distinct.
@@ -208,9 +212,15 @@ class MqarSpec:
   def pair_length(self) -> int:
     return self.key_length + self.value_digits + 2  # ' ', '='
 
+  @property
+  def num_keys(self) -> int:
+    """Distinct keys of `key_length` lowercase letters."""
+    return 26 ** self.key_length
+
   def num_pairs(self, length: int) -> int:
-    """Pairs in a prompt of `length` tokens (as many as fit)."""
-    return (length - self._fixed) // self.pair_length
+    """Pairs in a prompt of `length` tokens: as many as fit, at most one per
+    distinct key (the rest of the prompt is the leading spaces)."""
+    return min((length - self._fixed) // self.pair_length, self.num_keys)
 
   @property
   def _fixed(self) -> int:
@@ -240,6 +250,11 @@ TASKS: dict[str, TaskSpec] = {
     # A training variant: Zoology's dense objective, most keys queried and
     # every answered query supervised (12 per row against mqar's 4).
     "mqar_dense": MqarSpec(num_queries=12),
+    # Zoology's exact setting: one-token keys (a letter) and values (a
+    # digit), so recall is one induction step rather than matching a
+    # three-byte key; at most 26 pairs a prompt, spaces before them.
+    "mqar1": MqarSpec(key_length=1, value_digits=1),
+    "mqar1_dense": MqarSpec(key_length=1, value_digits=1, num_queries=12),
 }
 
 
@@ -677,13 +692,9 @@ def _niah(name, spec, length, depth, seed, rng, haystack):
 
 def _mqar(name, spec, length, depth, seed, rng):
   d = spec.num_pairs(length)
-  if d > 26 ** spec.key_length:
-    raise ValueError(f"length={length} holds {d} pairs, more than the "
-                     f"{26 ** spec.key_length} distinct keys of "
-                     f"key_length={spec.key_length}")
   pad = length - spec._fixed - d * spec.pair_length  # pylint: disable=protected-access
   letters = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz", np.uint8)
-  codes = rng.choice(26 ** spec.key_length, size=d, replace=False)
+  codes = rng.choice(spec.num_keys, size=d, replace=False)
   keys = [bytes(letters[(c // 26 ** np.arange(spec.key_length)) % 26])
           .decode() for c in codes]
   # Zero-padded values keep every value `value_digits` long.
