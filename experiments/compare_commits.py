@@ -79,7 +79,7 @@ if int(context):
   r = bm.decode_step_seconds(params, config, int(batch), int(context),
                              steps=int(new), repeats=int(repeats),
                              kv_dtype=kv)
-  print(json.dumps(dict(median_s=r["step_s"], times=r["loop"])))
+  print(json.dumps(dict(median_s=r["step_s"], loop=r["loop"])))
   sys.exit(0)
 tokens = np.asarray(jax.random.randint(jax.random.key(1),
                     (int(batch), int(prompt)), 0, config.vocab_size))

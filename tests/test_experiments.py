@@ -243,5 +243,31 @@ class AttentionMapTest(absltest.TestCase):
     self.assertLen(out["per_layer"], L)
 
 
+@pytest.mark.slow  # two subprocesses that compile generate and a decode loop
+class CompareCommitsProbeTest(absltest.TestCase):
+  """compare_commits.py's per-checkout probe, run in this tree: the
+  generate timing and the cache-bound decode step (--decode_context)."""
+
+  def test_probe_times_generate_and_decode_steps(self):
+    sys.path.insert(0, os.path.join(ROOT, "experiments"))
+    try:
+      import compare_commits  # pylint: disable=g-import-not-at-top
+    finally:
+      sys.path.pop(0)
+    from kvjax.lab import benchmarking as bm  # pylint: disable=g-import-not-at-top
+    # preset, batch, prompt, new tokens, repeats, chunk, context, kv dtype
+    gen = bm.run_probe(ROOT, compare_commits._PROBE, "gqa-tiny", 2, 8, 4, 2,
+                       0, 0, "float32")
+    step = bm.run_probe(ROOT, compare_commits._PROBE, "gqa-tiny", 2, 8, 4,
+                        2, 0, 96, "int8")
+    for out in (gen, step):
+      self.assertGreater(out["median_s"], 0)
+      self.assertTrue(np.isfinite(out["median_s"]))
+    self.assertLen(gen["times"], 2)
+    # one decode step from 96 cached tokens, not a whole generate call
+    self.assertLess(step["median_s"], gen["median_s"])
+    self.assertEqual(step["loop"]["repeats"], 2)
+
+
 if __name__ == "__main__":
   absltest.main()
