@@ -25,9 +25,11 @@ come in tiles of 16 slots (`TILE`), written [B, K, S/16, D, 16] and named
 Semantics are `attention.decode_softmax_values`' in float32: logits =
 scale · q · k, masked slots at the lowest float before the softmax (a
 fully masked row averages its values), then the values' weighted sum.
-Unlike `layered.int8_attend` it does not round the query or the
-probabilities to int8: int8 caches are read as codes and converted in
-registers.
+Over int8 keys the scaled query is rounded per row as the keys are
+(`quant.quantize`) and the logits are integer dots (AVX-512 VNNI where the
+host has it, exact float sums of the same integers elsewhere); unlike
+`layered.int8_attend` the probabilities are not rounded: int8 values are
+converted in registers.
 
 Why a kernel (the numbers: WORKSPACE.md "Quantized caches, and the
 cache-dominated regime"): XLA:CPU runs a decode step's per-(sequence, head)
@@ -40,7 +42,8 @@ stored, with the softmax online, on XLA's own intra-op threads.
 The build: `g++ -O3 -march=native -fopenmp-simd` (the host's vector units;
 OpenMP's simd pragmas only, no OpenMP runtime) into
 $KVJAX_NATIVE_DIR (default ~/.cache/kvjax/native), named by a hash of the
-source, the flags, the compiler and the CPU, so a changed source or another
+source, the flags (with any in $KVJAX_NATIVE_FLAGS), the compiler and the
+CPU, so a changed source or another
 host builds anew. `available()` is False, with one logged warning, where no
 compiler or no jaxlib FFI headers are found, and when KVJAX_NATIVE=0; the
 decode loop then reads the XLA path (`kvjax.decode.plan`).
@@ -70,23 +73,51 @@ TARGET = "kvjax_decode_attention"
 LATENT_TARGET = "kvjax_latent_attention"
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared",
          "-fPIC", "-w")
+
+
+def _flags() -> tuple[str, ...]:
+  """The build's flags: `FLAGS` and any in $KVJAX_NATIVE_FLAGS (e.g.
+  `-mno-avx512vnni`, to build the kernel's portable paths on a host that
+  has the instructions)."""
+  return FLAGS + tuple(os.environ.get("KVJAX_NATIVE_FLAGS", "").split())
 KEY_DTYPES = (jnp.dtype(jnp.float32), quant.BF16_BITS, jnp.dtype(jnp.int8))
 LATENT_DTYPES = (jnp.dtype(jnp.float32), quant.BF16_BITS,  # MLA's latents
                  jnp.dtype(jnp.int8))
 TILE = 16  # slots per key tile (the kernel's register width)
 
 
+QUAD = 4  # int8 channels of a slot kept adjacent (one VNNI product)
+
+
+def quad_tiles(k_tiles):
+  """int8 key tiles [B, K, S/16, D, 16] viewed as their quads, [B, K, S/16,
+  D/4, 16, 4] (a reshape: the same bytes)."""
+  B, K, n, D, _ = k_tiles.shape
+  return k_tiles.reshape(B, K, n, D // QUAD, TILE, QUAD)
+
+
 def tile_keys(k_BKSD):
-  """Keys [B, K, S, D] as the kernel reads them, [B, K, S/16, D, 16]."""
+  """Keys [B, K, S, D] as the kernel reads them, [B, K, S/16, D, 16]: each
+  tile's D × 16 keys contiguous, channel-major; int8 codes in quads, each
+  tile [D/4, 16, 4] (four channels of a slot adjacent, the layout of one
+  VNNI dot; D a multiple of 4), shaped [D, 16] all the same."""
   B, K, S, D = k_BKSD.shape
   if S % TILE:
     raise ValueError(f"tile_keys: S={S} slots is not a multiple of {TILE}")
+  if k_BKSD.dtype == jnp.int8:
+    if D % QUAD:
+      raise ValueError(f"tile_keys: int8 keys of D={D} channels, not a "
+                       f"multiple of {QUAD} (the kernel's quads)")
+    quads = k_BKSD.reshape(B, K, S // TILE, TILE, D // QUAD, QUAD)
+    return jnp.swapaxes(quads, 3, 4).reshape(B, K, S // TILE, D, TILE)
   return jnp.swapaxes(k_BKSD.reshape(B, K, S // TILE, TILE, D), -1, -2)
 
 
 def untile_keys(k_tiles):
   """The inverse of `tile_keys`: [B, K, S/16, D, 16] -> [B, K, S, D]."""
   B, K, n, D, _ = k_tiles.shape
+  if k_tiles.dtype == jnp.int8:
+    return jnp.swapaxes(quad_tiles(k_tiles), 3, 4).reshape(B, K, n * TILE, D)
   return jnp.swapaxes(k_tiles, -1, -2).reshape(B, K, n * TILE, D)
 
 
@@ -113,7 +144,7 @@ def library_path() -> pathlib.Path:
   """Where the built kernel for this source, compiler and CPU lies."""
   cxx = _compiler() or ""
   key = hashlib.sha256(b"\0".join([
-      SOURCE.read_bytes(), " ".join(FLAGS).encode(), cxx.encode(),
+      SOURCE.read_bytes(), " ".join(_flags()).encode(), cxx.encode(),
       _cpu_id().encode(), jax.ffi.include_dir().encode()])).hexdigest()[:16]
   return _build_dir() / f"decode_attention-{key}.so"
 
@@ -135,7 +166,7 @@ def build() -> pathlib.Path:
   # workers) never load a half-written file.
   with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
     out = pathlib.Path(tmp) / path.name
-    cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o",
+    cmd = [cxx, *_flags(), f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o",
            str(out)]
     run = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if run.returncode:
@@ -238,6 +269,9 @@ def decode_attend(q_BKGD, k_tiles, v, mask_BS, scale: float,
   why = supports(k_tiles.dtype, v.dtype)
   if why:
     raise ValueError(f"decode_attend: {why}")
+  if k_tiles.dtype == jnp.int8 and D % QUAD:
+    raise ValueError(f"decode_attend: int8 keys of D={D} channels, not a "
+                     f"multiple of {QUAD} (the kernel's quads)")
   _check_scales("decode_attend", k_tiles.dtype == jnp.int8, k_scale_BKS,
                 v_scale_BKS)
   E = v.shape[3]

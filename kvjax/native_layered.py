@@ -25,8 +25,9 @@ returns a new cache; none mutates.
 What it cannot do, and so `supports` refuses (the plan then picks another
 layout): float16 caches (no kernel conversion), KIVI's per-channel keys,
 eviction or `cache` positions (the layered view's limits), segments
-whose slots are not a multiple of 16, per-head masks, and hosts where the
-kernel did not build (`native_attention.available`).
+whose slots are not a multiple of 16, int8 / int4 codes of a head width
+that is not a multiple of 4 (the key quads), per-head masks, and hosts
+where the kernel did not build (`native_attention.available`).
 Attention probabilities are not formed, so a policy that scores slots
 cannot read it (none runs on a layered view: eviction is 'none').
 """
@@ -72,6 +73,10 @@ def supports(cache, attend: int) -> str | None:
   if cache.policy.kv_dtype not in NATIVE_DTYPES:
     return (f"kv_dtype={cache.policy.kv_dtype!r} (the native kernel reads "
             f"{NATIVE_DTYPES})")
+  H = cache.v.shape[-1] * (2 if cache.policy.kv_dtype == "int4" else 1)
+  if cache.policy.quantized and H % native_attention.QUAD:
+    return (f"int8 codes of head width {H}, not a multiple of "
+            f"{native_attention.QUAD} (the kernel's key quads)")
   if not native_attention.available():
     return "the native kernel is not built on this host (KVJAX_NATIVE=0?)"
   return None
@@ -106,17 +111,24 @@ def into_cache(cache: cache_lib.KVCache, view: NativeKV) -> cache_lib.KVCache:
 def _put_key(tiles, s_B, new_BKH):
   """tiles [B, K, S/16, H, 16] with slot s_B[b] (tile s // 16, lane s % 16)
   set to new_BKH[b] for every sequence (s = S: unchanged); in place, as
-  `layered.put_slot`: a scatter from batch 2, an update slice at batch 1."""
-  B, _, n, _, L = tiles.shape
+  `layered.put_slot`: a scatter from batch 2, an update slice at batch 1.
+  int8 tiles are written through their quad view (`quad_tiles`)."""
+  B, K, n, H, L = tiles.shape
+  if tiles.dtype == jnp.int8:  # [B, K, S/16, H/4, 16, 4]: lane at axis 4
+    view = native_attention.quad_tiles(tiles)
+    new = new_BKH.reshape(B, K, H // native_attention.QUAD,
+                          native_attention.QUAD)
+  else:  # [B, K, S/16, H, 16]
+    view, new = tiles, new_BKH
   if B > 1:
-    return tiles.at[jnp.arange(B), :, s_B // L, :, s_B % L].set(
-        new_BKH, mode="drop")
+    index = (jnp.arange(B), slice(None), s_B // L, slice(None), s_B % L)
+    return view.at[index].set(new, mode="drop").reshape(tiles.shape)
   s = jnp.minimum(s_B[0], n * L - 1)
-  start = (0, 0, s // L, 0, s % L)
-  upd = new_BKH[:, :, None, :, None]
-  old = jax.lax.dynamic_slice(tiles, start, upd.shape)
-  return jax.lax.dynamic_update_slice(tiles, jnp.where(s_B[0] < n * L, upd,
-                                                       old), start)
+  start = (0, 0, s // L, 0, s % L) + (0,) * (view.ndim - 5)
+  upd = jnp.expand_dims(new, (2, 4))
+  old = jax.lax.dynamic_slice(view, start, upd.shape)
+  return jax.lax.dynamic_update_slice(
+      view, jnp.where(s_B[0] < n * L, upd, old), start).reshape(tiles.shape)
 
 
 def write(view: NativeKV, layer: int, slots_BT, k_BTKH, v_BTKH) -> NativeKV:

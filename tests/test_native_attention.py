@@ -14,6 +14,7 @@ path's tokens and logits, and 'auto' picks it wherever it can run.
 import os
 import subprocess
 import sys
+import tempfile
 from unittest import mock
 
 from absl.testing import absltest
@@ -59,8 +60,21 @@ def operands(form, B, K, G, D, E, S, seed=0):
           None, None, k.astype(np.float64), v.astype(np.float64))
 
 
-def reference(q, k64, v64, mask_BS, scale):
-  """float64 masked softmax attention; a fully masked row averages."""
+def rounded_query(q, scale):
+  """The kernel's query over int8 keys: q · scale in float32, rounded per
+  row to int8 codes as `quant.quantize` rounds (scale max|x| / 127), as
+  float64 values (codes times scale)."""
+  qs = jnp.asarray(q, jnp.float32) * np.float32(scale)
+  codes, q_scale = quant.quantize(qs, jnp.int8)
+  return (np.asarray(codes, np.float64) *
+          np.asarray(q_scale, np.float64)[..., None])
+
+
+def reference(q, k64, v64, mask_BS, scale, int8=False):
+  """float64 masked softmax attention; a fully masked row averages. With
+  `int8` the query is the kernel's rounded one (`rounded_query`)."""
+  if int8:
+    q, scale = rounded_query(q, scale), 1.0
   logits = np.einsum("bkgd,bksd->bkgs", q.astype(np.float64), k64) * scale
   logits = np.where(mask_BS[:, None, None], logits, -np.inf)
   full = ~mask_BS.any(axis=1)
@@ -89,7 +103,7 @@ class KernelTest(parameterized.TestCase):
     scale = D ** -0.5
     out = native_attention.decode_attend(q, k, v, jnp.asarray(mask), scale,
                                          ks, vs)
-    want = reference(q, k64, v64, mask, scale)
+    want = reference(q, k64, v64, mask, scale, int8=form == "int8")
     np.testing.assert_allclose(np.asarray(out), want, rtol=2e-5, atol=2e-5)
 
   @cases.product(form=FORMS)
@@ -101,9 +115,61 @@ class KernelTest(parameterized.TestCase):
     mask = np.arange(S)[None] < 3000
     out = native_attention.decode_attend(q, k, v, jnp.asarray(mask), 0.3,
                                          ks, vs)
-    np.testing.assert_allclose(np.asarray(out),
-                               reference(q, k64, v64, mask, 0.3),
-                               rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(
+        np.asarray(out),
+        reference(q, k64, v64, mask, 0.3, int8=form == "int8"),
+        rtol=2e-5, atol=2e-5)
+
+  def test_int8_rounds_only_the_query(self):
+    # Over int8 keys the query is rounded as the keys are; the output stays
+    # within that rounding of the unrounded query's attention, and the
+    # quad tiles round-trip.
+    B, K, G, D, S = 2, 2, 4, 32, 512
+    q, k, v, ks, vs, k64, v64 = operands("int8", B, K, G, D, D, S)
+    codes = quant.quantize(jnp.asarray(np.asarray(k64, np.float32)),
+                           jnp.int8)[0]
+    np.testing.assert_array_equal(
+        np.asarray(native_attention.untile_keys(k)), np.asarray(codes))
+    tiles = np.asarray(native_attention.quad_tiles(k))
+    # slot 21 (tile 1, lane 5), channels 8-11 (quad 2): adjacent bytes
+    np.testing.assert_array_equal(tiles[0, 0, 1, 2, 5],
+                                  np.asarray(codes)[0, 0, 21, 8:12])
+    mask = np.ones((B, S), bool)
+    out = np.asarray(native_attention.decode_attend(
+        q, k, v, jnp.asarray(mask), D ** -0.5, ks, vs))
+    exact = reference(q, k64, v64, mask, D ** -0.5)
+    rounded = reference(q, k64, v64, mask, D ** -0.5, int8=True)
+    np.testing.assert_allclose(out, rounded, rtol=2e-5, atol=2e-5)
+    self.assertGreater(np.abs(out - exact).max(), 1e-6)  # it does round
+    np.testing.assert_allclose(out, exact, atol=2e-2)
+
+  def test_int8_portable_path_equals_vnni(self):
+    # Built without VNNI (the portable path: the quads' codes unpacked, float
+    # sums of the same integers) the kernel gives the same bits.
+    B, K, G, D, S = 2, 2, 8, 32, 304
+    q, k, v, ks, vs, _, _ = operands("int8", B, K, G, D, D, S, seed=5)
+    mask = np.random.default_rng(1).random((B, S)) < 0.8
+    here = np.asarray(native_attention.decode_attend(
+        q, k, v, jnp.asarray(mask), 0.25, ks, vs))
+    with tempfile.TemporaryDirectory() as tmp:
+      path = os.path.join(tmp, "ops.npz")
+      np.savez(path, q=q, k=np.asarray(k), v=np.asarray(v), ks=np.asarray(ks),
+               vs=np.asarray(vs), mask=mask)
+      code = (
+          "import numpy as np, jax.numpy as jnp, sys\n"
+          "from kvjax import native_attention as na\n"
+          f"o = np.load({path!r})\n"
+          "out = na.decode_attend(o['q'], jnp.asarray(o['k']), o['v'],"
+          " jnp.asarray(o['mask']), 0.25, o['ks'], o['vs'])\n"
+          f"np.save({os.path.join(tmp, 'out.npy')!r}, np.asarray(out))\n")
+      env = dict(os.environ, JAX_PLATFORMS="cpu", KVJAX_NATIVE_DIR=tmp,
+                 KVJAX_NATIVE_FLAGS="-mno-avx512vnni -mno-avxvnni")
+      root = os.path.join(os.path.dirname(__file__), "..")
+      run = subprocess.run([sys.executable, "-c", code], cwd=root, env=env,
+                           capture_output=True, text=True, check=False)
+      self.assertEqual(run.returncode, 0, run.stderr[-3000:])
+      portable = np.load(os.path.join(tmp, "out.npy"))
+    np.testing.assert_array_equal(portable, here)
 
   def test_masked_slots_contribute_nothing(self):
     # Huge values behind the mask change nothing.

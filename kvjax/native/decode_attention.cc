@@ -12,7 +12,10 @@
 // Shapes (the dimension alphabet of kvjax.config):
 //   q       f32   [B, K, G, D]   queries, grouped by the kv head serving them
 //   k       T     [B, K, S/16, D, 16]  keys in tiles of 16 slots (T: f32,
-//                                bf16 bits as u16, s8); S a multiple of 16
+//                                bf16 bits as u16, s8); S a multiple of 16.
+//                                s8 tiles hold [D/4, 16, 4] (four channels
+//                                of a slot adjacent: `quad` tiles), D a
+//                                multiple of 4
 //   k_scale f32   [B, K, S]      per-token key scales (s8; else [0])
 //   v       T     [B, K, S, E]   values
 //   v_scale f32   [B, K, S]      per-token value scales (s8; else [0])
@@ -23,7 +26,11 @@
 // Semantics are those of `attention.decode_softmax_values`: logits = scale
 // * q.k (times the key scale), masked slots set to the lowest float before
 // the softmax, so a fully masked row averages its values (finite, never
-// NaN).
+// NaN). Over int8 keys the scaled query is rounded as the keys are (per
+// row, symmetric int8: `quant.quantize`) and the logits are integer dot
+// products, q_scale · k_scale · (q_codes · k_codes): AVX-512 VNNI's
+// vpdpbusd takes four channels' products a lane per instruction where
+// float32 multiply-adds take one.
 //
 // Work: tasks of (sequence, kv head, slot chunk) on XLA's intra-op thread
 // pool; each walks its slots in blocks of 128 with the online softmax, the
@@ -42,6 +49,7 @@
 #include <limits>
 #include <memory>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -237,6 +245,109 @@ inline void block_logits(const float* __restrict__ qs, int64_t D,
               finish16(a[g], ks != nullptr ? ks + j0 : nullptr,
                        mask + b0 + j0, vmax[g]));
   }
+  for (int g = 0; g < GN; ++g) bm[g] = hmax(vmax[g]);
+}
+
+// A query tile over int8 (quad-tiled) keys: the rows rounded to int8 codes
+// (`quant.quantize`: scale max|x| / 127), as int32 words of four codes
+// (one quad), the codes again as floats (the portable path), each row's
+// scale, and 128 · Σ codes (the VNNI path's offset: it multiplies unsigned
+// key bytes, codes + 128).
+struct QuadQuery {
+  const int32_t* words;  // [GN, D/4]
+  const float* codes;    // [GN, D]
+  const float* scale;    // [GN]
+  const int32_t* offset; // [GN]
+};
+
+// `block_logits` over int8 keys in quad tiles ([D/4, 16, 4] per tile of 16
+// slots) for a query rounded to int8 (`QuadQuery`): integer dot products,
+// exact (|sum| <= D · 127² < 2^24 for D <= 1024, so both paths agree to
+// the bit), times the query's and the keys' scales.
+template <int GN>
+inline void block_logits_quads(const QuadQuery& q, int64_t D,
+                               const int8_t* __restrict__ k,
+                               const float* __restrict__ k_scale,
+                               const bool* __restrict__ mask, int64_t b0,
+                               int64_t n, float* __restrict__ lg,
+                               float* __restrict__ bm) {
+  const int64_t D4 = D / 4;
+  f16v vmax[GN];
+  for (int g = 0; g < GN; ++g) vmax[g] = f16v{} + kLowest;
+  const float* ks = k_scale + b0;
+  auto finish = [&](int g, f16v sum, int64_t j) {
+    store16(lg + g * kBlock + j,
+            finish16(sum * q.scale[g], ks + j, mask + b0 + j, vmax[g]));
+  };
+  int64_t j0 = 0;
+#if defined(__AVX512VNNI__)
+  // Keys as unsigned bytes (code + 128: vpdpbusd multiplies unsigned by
+  // signed), the query's four codes broadcast: each lane (slot) gains four
+  // channels' products an instruction. The +128 adds 128 · Σ q_codes to
+  // every slot of a row, taken off before the scales.
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  auto to_f16v = [&](__m512i acc, int g) {
+    const __m512 f = _mm512_cvtepi32_ps(
+        _mm512_sub_epi32(acc, _mm512_set1_epi32(q.offset[g])));
+    f16v r;
+    std::memcpy(&r, &f, sizeof(r));
+    return r;
+  };
+  for (; j0 + 2 * kLanes <= n; j0 += 2 * kLanes) {
+    __m512i a[GN], c[GN];
+    for (int g = 0; g < GN; ++g) a[g] = c[g] = _mm512_setzero_si512();
+    const int8_t* kr = k + (b0 + j0) * D;
+    for (int64_t d4 = 0; d4 < D4; ++d4, kr += 4 * kLanes) {
+      prefetch_l2(kr + 2 * kBlock * D);
+      prefetch_l2(kr + 2 * kBlock * D + kLanes * D);
+      const __m512i k0 = _mm512_xor_si512(_mm512_loadu_si512(kr), flip);
+      const __m512i k1 =
+          _mm512_xor_si512(_mm512_loadu_si512(kr + kLanes * D), flip);
+      for (int g = 0; g < GN; ++g) {
+        const __m512i qv = _mm512_set1_epi32(q.words[g * D4 + d4]);
+        a[g] = _mm512_dpbusd_epi32(a[g], k0, qv);
+        c[g] = _mm512_dpbusd_epi32(c[g], k1, qv);
+      }
+    }
+    for (int g = 0; g < GN; ++g) {
+      finish(g, to_f16v(a[g], g), j0);
+      finish(g, to_f16v(c[g], g), j0 + kLanes);
+    }
+  }
+  for (; j0 < n; j0 += kLanes) {
+    __m512i a[GN];
+    for (int g = 0; g < GN; ++g) a[g] = _mm512_setzero_si512();
+    const int8_t* kr = k + (b0 + j0) * D;
+    for (int64_t d4 = 0; d4 < D4; ++d4, kr += 4 * kLanes) {
+      const __m512i k0 = _mm512_xor_si512(_mm512_loadu_si512(kr), flip);
+      for (int g = 0; g < GN; ++g)
+        a[g] = _mm512_dpbusd_epi32(a[g], k0,
+                                   _mm512_set1_epi32(q.words[g * D4 + d4]));
+    }
+    for (int g = 0; g < GN; ++g) finish(g, to_f16v(a[g], g), j0);
+  }
+#else
+  // Portable: each quad's four codes unpacked from the 32-bit lanes
+  // (shift left, arithmetic shift right), float multiply-adds of the
+  // query's codes: the same integers, summed exactly.
+  for (; j0 < n; j0 += kLanes) {
+    f16v a[GN];
+    for (int g = 0; g < GN; ++g) a[g] = f16v{};
+    const int8_t* kr = k + (b0 + j0) * D;
+    for (int64_t d4 = 0; d4 < D4; ++d4, kr += 4 * kLanes) {
+      prefetch_l2(kr + 2 * kBlock * D);
+      i32x16 w;
+      std::memcpy(&w, kr, sizeof(w));
+      for (int c = 0; c < 4; ++c) {
+        const f16v kc =
+            __builtin_convertvector((w << (24 - 8 * c)) >> 24, f16v);
+        for (int g = 0; g < GN; ++g)
+          a[g] += q.codes[g * D + 4 * d4 + c] * kc;
+      }
+    }
+    for (int g = 0; g < GN; ++g) finish(g, a[g], j0);
+  }
+#endif
   for (int g = 0; g < GN; ++g) bm[g] = hmax(vmax[g]);
 }
 
@@ -522,13 +633,17 @@ void attend_tile(const Logits& logits, const T* __restrict__ v,
 }
 
 template <int GN, typename T>
-void gqa_tile(const float* qg, const T* k, const float* k_scale, const T* v,
-              const float* v_scale, const bool* mask, int64_t D, int64_t E,
-              int64_t S, int64_t s0, int64_t s1, float* m, float* l,
-              float* acc) {
+void gqa_tile(const float* qg, const QuadQuery& quads, const T* k,
+              const float* k_scale, const T* v, const float* v_scale,
+              const bool* mask, int64_t D, int64_t E, int64_t S, int64_t s0,
+              int64_t s1, float* m, float* l, float* acc) {
   attend_tile<GN, T, true>(
       [&](int64_t b0, int64_t n, float* lg, float* bm) {
-        block_logits<GN, T>(qg, D, k, k_scale, mask, b0, n, lg, bm);
+        if constexpr (std::is_same_v<T, int8_t>) {
+          block_logits_quads<GN>(quads, D, k, k_scale, mask, b0, n, lg, bm);
+        } else {
+          block_logits<GN, T>(qg, D, k, k_scale, mask, b0, n, lg, bm);
+        }
       },
       v, v_scale, E, s0, s1, m, l, acc);
 }
@@ -580,6 +695,29 @@ void attend_range(const float* q, const float* qb, const T* k,
   std::vector<float> qs(G * D), qbs(qb != nullptr ? G * R : 0);
   for (int64_t i = 0; i < G * D; ++i) qs[i] = q[i] * scale;
   for (size_t i = 0; i < qbs.size(); ++i) qbs[i] = qb[i] * scale;
+  // int8 keys (GQA's quad tiles): the scaled query rounded as
+  // `quant.quantize` rounds a row (x / (max|x| / 127), to nearest even).
+  const bool quads = std::is_same_v<T, int8_t> && qb == nullptr;
+  std::vector<int8_t> qc(quads ? G * D : 0);
+  std::vector<int32_t> qw(quads ? G * D / 4 : 0), qoff(quads ? G : 0);
+  std::vector<float> qcf(quads ? G * D : 0), qsc(quads ? G : 0);
+  for (int64_t g = 0; quads && g < G; ++g) {
+    float amax = 0.0f;
+    for (int64_t d = 0; d < D; ++d)
+      amax = std::max(amax, std::fabs(qs[g * D + d]));
+    const float s = amax / 127.0f, safe = s > 0.0f ? s : 1.0f;
+    int32_t sum = 0;
+    for (int64_t d = 0; d < D; ++d) {
+      const float c = std::min(127.0f, std::max(
+          -127.0f, std::nearbyint(qs[g * D + d] / safe)));
+      qc[g * D + d] = static_cast<int8_t>(c);
+      qcf[g * D + d] = c;
+      sum += static_cast<int32_t>(c);
+    }
+    qsc[g] = s;
+    qoff[g] = 128 * sum;
+  }
+  if (quads) std::memcpy(qw.data(), qc.data(), qc.size());
   // Blocks outside, query tiles inside: a block's keys and values come
   // from memory once and stay in cache for the other tiles of its rows
   // (MQA's and MLA's G = 8 rows are two tiles).
@@ -596,8 +734,12 @@ void attend_range(const float* q, const float* qb, const T* k,
                              k_scale, v_scale, mask, D, R, b0, b1, m, l,
                              acc);
         } else {
-          gqa_tile<GN, T>(qs.data() + g0 * D, k, k_scale, v, v_scale, mask,
-                          D, E, S, b0, b1, m, l, acc);
+          const QuadQuery tile =
+              quads ? QuadQuery{qw.data() + g0 * D / 4, qcf.data() + g0 * D,
+                                qsc.data() + g0, qoff.data() + g0}
+                    : QuadQuery{};
+          gqa_tile<GN, T>(qs.data() + g0 * D, tile, k, k_scale, v, v_scale,
+                          mask, D, E, S, b0, b1, m, l, acc);
         }
       });
     }
@@ -711,6 +853,8 @@ static ffi::Error DecodeAttentionImpl(
   const int64_t S = kd[2] * kLanes, E = vd[3];
   if (kd[0] != B || kd[1] != K || kd[3] != D)
     return ffi::Error::InvalidArgument("k must be [B, K, S/16, D, 16]");
+  if (k.element_type() == ffi::S8 && D % 4 != 0)
+    return ffi::Error::InvalidArgument("int8 keys: D must be a multiple of 4");
   if (vd[0] != B || vd[1] != K || vd[2] != S)
     return ffi::Error::InvalidArgument("v must be [B, K, S, E]");
   if (k.element_type() != v.element_type())
