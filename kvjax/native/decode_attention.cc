@@ -248,6 +248,47 @@ inline void block_logits(const float* __restrict__ qs, int64_t D,
   for (int g = 0; g < GN; ++g) bm[g] = hmax(vmax[g]);
 }
 
+// G query rows of width W rounded to int8 codes as `quant.quantize` rounds
+// a row (x / (max|x| / 127), to nearest even): the codes, the same as
+// floats (portable paths: float sums of these integers are exact), each
+// row's scale and 128 · Σ codes (the offset of VNNI's unsigned key bytes,
+// codes + 128).
+struct RoundedRows {
+  std::vector<int8_t> codes;
+  std::vector<float> fcodes, scale;
+  std::vector<int32_t> offset;
+
+  RoundedRows() = default;
+  RoundedRows(const float* x, int64_t G, int64_t W)
+      : codes(G * W), fcodes(G * W), scale(G), offset(G) {
+    for (int64_t g = 0; g < G; ++g) {
+      float amax = 0.0f;
+      for (int64_t e = 0; e < W; ++e)
+        amax = std::max(amax, std::fabs(x[g * W + e]));
+      const float s = amax / 127.0f, safe = s > 0.0f ? s : 1.0f;
+      int32_t sum = 0;
+      for (int64_t e = 0; e < W; ++e) {
+        const float c = std::min(
+            127.0f, std::max(-127.0f, std::nearbyint(x[g * W + e] / safe)));
+        codes[g * W + e] = static_cast<int8_t>(c);
+        fcodes[g * W + e] = c;
+        sum += static_cast<int32_t>(c);
+      }
+      scale[g] = s;
+      offset[g] = 128 * sum;
+    }
+  }
+};
+
+// MLA's rounded query tile over int8 latents (rows g0.. of `RoundedRows`
+// for the latent part, width A, and the rotary part, width R).
+struct LatentQuery {
+  const int8_t *ca, *cb;    // codes [GN, A], [GN, R]
+  const float *fa, *fb;     // the codes as floats
+  const float *sa, *sb;     // row scales [GN]
+  const int32_t *oa, *ob;   // offsets [GN]
+};
+
 // A query tile over int8 (quad-tiled) keys: the rows rounded to int8 codes
 // (`quant.quantize`: scale max|x| / 127), as int32 words of four codes
 // (one quad), the codes again as floats (the portable path), each row's
@@ -452,6 +493,51 @@ inline void slot_group_logits(const float* __restrict__ qa, int64_t A,
   tails(qb, R, bj, split ? rr : rc);
 }
 
+#if defined(__AVX512VNNI__)
+// `slot_group_logits` over int8 rows for a rounded query (`LatentQuery`):
+// VNNI dots, 64 channels of a row an instruction (masked loads for the
+// last), lanes p · GN + g of rc / rr the exact integer sums q_g · row_p
+// (each accumulator starts at -offset in lane 0, taking off the +128 of
+// the unsigned key bytes; exact in float for A <= 512).
+template <int GN>
+inline void slot_group_logits_vnni(const LatentQuery& q, int64_t A,
+                                   int64_t R, const int8_t* __restrict__ a,
+                                   const int8_t* __restrict__ b, int64_t j0,
+                                   f16v& rc, f16v& rr) {
+  constexpr int P = 16 / GN;
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  auto dots = [&](const int8_t* qc, const int32_t* off, int64_t W,
+                  const int8_t* rows) {
+    __m512i acc[16];
+    for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_si512();
+    for (int p = 0; p < P; ++p)
+      for (int g = 0; g < GN; ++g)
+        acc[p * GN + g] = _mm512_mask_set1_epi32(acc[p * GN + g], 1, -off[g]);
+    for (int64_t e = 0; e < W; e += 64) {
+      const __mmask64 m =
+          W - e >= 64 ? ~__mmask64{0} : (__mmask64{1} << (W - e)) - 1;
+      __m512i kv[P];
+      for (int p = 0; p < P; ++p)
+        kv[p] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(m, rows + p * W + e),
+                                 flip);
+      for (int g = 0; g < GN; ++g) {
+        const __m512i qv = _mm512_maskz_loadu_epi8(m, qc + g * W + e);
+        for (int p = 0; p < P; ++p)
+          acc[p * GN + g] = _mm512_dpbusd_epi32(acc[p * GN + g], kv[p], qv);
+      }
+    }
+    f16v f[16];
+    for (int i = 0; i < 16; ++i) {
+      const __m512 x = _mm512_cvtepi32_ps(acc[i]);
+      std::memcpy(&f[i], &x, sizeof(x));
+    }
+    return lane_sums16(f);
+  };
+  rc = dots(q.ca, q.oa, A, a + j0 * A);
+  rr = dots(q.cb, q.ob, R, b + j0 * R);
+}
+#endif
+
 // The per-slot form of `block_logits_rows` for slots [j_begin, n) of the
 // block: one horizontal sum per (row, slot).
 template <int GN, typename T>
@@ -461,6 +547,8 @@ inline void block_logits_rows_each(const float* __restrict__ qa, int64_t A,
                                    const T* __restrict__ b,
                                    const float* __restrict__ cs,
                                    const float* __restrict__ rs,
+                                   const float* __restrict__ sa,
+                                   const float* __restrict__ sb,
                                    const bool* __restrict__ mask, int64_t b0,
                                    int64_t j_begin, int64_t n,
                                    float* __restrict__ lg,
@@ -487,8 +575,9 @@ inline void block_logits_rows_each(const float* __restrict__ qa, int64_t A,
       for (int g = 0; g < GN; ++g) tailr[g] += qb[g * R + e] * load1(bj[e]);
     for (int g = 0; g < GN; ++g) {
       const float dc = hsum(acc[g]) + tail[g], dr = hsum(accr[g]) + tailr[g];
-      const float dot = cs != nullptr ? cs[b0 + j] * dc + rs[b0 + j] * dr
-                                      : dc + dr;
+      const float dot =
+          cs != nullptr ? cs[b0 + j] * (sa[g] * dc) + rs[b0 + j] * (sb[g] * dr)
+                        : dc + dr;
       const float x = mask[b0 + j] ? dot : kLowest;
       lg[g * kBlock + j] = x;
       bm[g] = std::max(bm[g], x);
@@ -500,10 +589,12 @@ inline void block_logits_rows_each(const float* __restrict__ qa, int64_t A,
 // lg[g][j] = qa_g . a_j + qb_g . b_j, a [S, A] and b [S, R] (MLA's latents
 // and rotary keys). Slots go in groups of 16 / GN (`slot_group_logits`),
 // each key row loaded once for all GN rows; the block's last slots that
-// fill no group go one at a time.
+// fill no group go one at a time. int8 codes (cs set) take the rounded
+// query `lq` instead of qa, qb: lg = cs · sa · (ca · a) + rs · sb · (cb · b).
 template <int GN, typename T>
 inline void block_logits_rows(const float* __restrict__ qa, int64_t A,
                               const float* __restrict__ qb, int64_t R,
+                              const LatentQuery& lq,
                               const T* __restrict__ a,
                               const T* __restrict__ b,
                               const float* __restrict__ cs,
@@ -526,12 +617,24 @@ inline void block_logits_rows(const float* __restrict__ qa, int64_t A,
     }
     f16v rc, rr;
     if (cs != nullptr) {  // int8 codes: each part times its slot's scale
-      slot_group_logits<GN, T, true>(qa, A, qb, R, a, b, b0 + j, rc, rr);
+#if defined(__AVX512VNNI__)
+      if constexpr (std::is_same_v<T, int8_t>) {
+        slot_group_logits_vnni<GN>(lq, A, R, a, b, b0 + j, rc, rr);
+      } else {
+        slot_group_logits<GN, T, true>(lq.fa, A, lq.fb, R, a, b, b0 + j, rc,
+                                       rr);
+      }
+#else
+      slot_group_logits<GN, T, true>(lq.fa, A, lq.fb, R, a, b, b0 + j, rc,
+                                     rr);
+#endif
       for (int p = 0; p < P; ++p)
         for (int g = 0; g < GN; ++g) {
           const int k = p * GN + g;
           const int64_t s = b0 + j + p;
-          const float x = mask[s] ? cs[s] * rc[k] + rs[s] * rr[k] : kLowest;
+          const float x = mask[s] ? cs[s] * (lq.sa[g] * rc[k]) +
+                                        rs[s] * (lq.sb[g] * rr[k])
+                                  : kLowest;
           lg[g * kBlock + j + p] = x;
           bm[g] = std::max(bm[g], x);
         }
@@ -545,8 +648,13 @@ inline void block_logits_rows(const float* __restrict__ qa, int64_t A,
         }
     }
   }
-  block_logits_rows_each<GN, T>(qa, A, qb, R, a, b, cs, rs, mask, b0, j, n,
-                                lg, bm);
+  if (cs != nullptr) {
+    block_logits_rows_each<GN, T>(lq.fa, A, lq.fb, R, a, b, cs, rs, lq.sa,
+                                  lq.sb, mask, b0, j, n, lg, bm);
+  } else {
+    block_logits_rows_each<GN, T>(qa, A, qb, R, a, b, cs, rs, nullptr,
+                                  nullptr, mask, b0, j, n, lg, bm);
+  }
 }
 
 // acc[g][e] += sum_j p[g][j] · v[j][e] over values [S, E]; with `ahead`,
@@ -649,16 +757,16 @@ void gqa_tile(const float* qg, const QuadQuery& quads, const T* k,
 }
 
 template <int GN, typename T>
-void latent_tile(const float* qa, const float* qb, const T* a, const T* b,
-                 const float* cs, const float* rs, const bool* mask,
-                 int64_t A, int64_t R, int64_t s0, int64_t s1, float* m,
-                 float* l, float* acc) {
+void latent_tile(const float* qa, const float* qb, const LatentQuery& lq,
+                 const T* a, const T* b, const float* cs, const float* rs,
+                 const bool* mask, int64_t A, int64_t R, int64_t s0,
+                 int64_t s1, float* m, float* l, float* acc) {
   // The latents are the values too; an int8 latent's scale goes into its
   // weight (`attend_tile`'s value scales).
   attend_tile<GN, T, false>(
       [&](int64_t b0, int64_t n, float* lg, float* bm) {
-        block_logits_rows<GN, T>(qa, A, qb, R, a, b, cs, rs, mask, b0, n, lg,
-                                 bm);
+        block_logits_rows<GN, T>(qa, A, qb, R, lq, a, b, cs, rs, mask, b0, n,
+                                 lg, bm);
       },
       a, cs, A, s0, s1, m, l, acc);
 }
@@ -695,29 +803,15 @@ void attend_range(const float* q, const float* qb, const T* k,
   std::vector<float> qs(G * D), qbs(qb != nullptr ? G * R : 0);
   for (int64_t i = 0; i < G * D; ++i) qs[i] = q[i] * scale;
   for (size_t i = 0; i < qbs.size(); ++i) qbs[i] = qb[i] * scale;
-  // int8 keys (GQA's quad tiles): the scaled query rounded as
-  // `quant.quantize` rounds a row (x / (max|x| / 127), to nearest even).
-  const bool quads = std::is_same_v<T, int8_t> && qb == nullptr;
-  std::vector<int8_t> qc(quads ? G * D : 0);
-  std::vector<int32_t> qw(quads ? G * D / 4 : 0), qoff(quads ? G : 0);
-  std::vector<float> qcf(quads ? G * D : 0), qsc(quads ? G : 0);
-  for (int64_t g = 0; quads && g < G; ++g) {
-    float amax = 0.0f;
-    for (int64_t d = 0; d < D; ++d)
-      amax = std::max(amax, std::fabs(qs[g * D + d]));
-    const float s = amax / 127.0f, safe = s > 0.0f ? s : 1.0f;
-    int32_t sum = 0;
-    for (int64_t d = 0; d < D; ++d) {
-      const float c = std::min(127.0f, std::max(
-          -127.0f, std::nearbyint(qs[g * D + d] / safe)));
-      qc[g * D + d] = static_cast<int8_t>(c);
-      qcf[g * D + d] = c;
-      sum += static_cast<int32_t>(c);
-    }
-    qsc[g] = s;
-    qoff[g] = 128 * sum;
-  }
-  if (quads) std::memcpy(qw.data(), qc.data(), qc.size());
+  // Over int8 codes the scaled query is rounded (`RoundedRows`): GQA's
+  // rows against the quad tiles, MLA's latent and rotary parts apart.
+  const bool codes = std::is_same_v<T, int8_t>;
+  const RoundedRows ra = codes ? RoundedRows(qs.data(), G, D) : RoundedRows();
+  const RoundedRows rb =
+      codes && qb != nullptr ? RoundedRows(qbs.data(), G, R) : RoundedRows();
+  std::vector<int32_t> qw(codes ? G * D / 4 : 0);  // GQA: the quads as words
+  if (codes && qb == nullptr)
+    std::memcpy(qw.data(), ra.codes.data(), qw.size() * sizeof(int32_t));
   // Blocks outside, query tiles inside: a block's keys and values come
   // from memory once and stay in cache for the other tiles of its rows
   // (MQA's and MLA's G = 8 rows are two tiles).
@@ -730,13 +824,23 @@ void attend_range(const float* q, const float* qb, const T* k,
       by_rows(std::min<int64_t>(kRows, G - g0), [&](auto gn) {
         constexpr int GN = decltype(gn)::value;
         if (qb != nullptr) {
-          latent_tile<GN, T>(qs.data() + g0 * D, qbs.data() + g0 * R, k, v,
-                             k_scale, v_scale, mask, D, R, b0, b1, m, l,
+          const LatentQuery lq =
+              codes ? LatentQuery{ra.codes.data() + g0 * D,
+                                  rb.codes.data() + g0 * R,
+                                  ra.fcodes.data() + g0 * D,
+                                  rb.fcodes.data() + g0 * R,
+                                  ra.scale.data() + g0, rb.scale.data() + g0,
+                                  ra.offset.data() + g0,
+                                  rb.offset.data() + g0}
+                    : LatentQuery{};
+          latent_tile<GN, T>(qs.data() + g0 * D, qbs.data() + g0 * R, lq, k,
+                             v, k_scale, v_scale, mask, D, R, b0, b1, m, l,
                              acc);
         } else {
           const QuadQuery tile =
-              quads ? QuadQuery{qw.data() + g0 * D / 4, qcf.data() + g0 * D,
-                                qsc.data() + g0, qoff.data() + g0}
+              codes ? QuadQuery{qw.data() + g0 * D / 4,
+                                ra.fcodes.data() + g0 * D,
+                                ra.scale.data() + g0, ra.offset.data() + g0}
                     : QuadQuery{};
           gqa_tile<GN, T>(qs.data() + g0 * D, tile, k, k_scale, v, v_scale,
                           mask, D, E, S, b0, b1, m, l, acc);
