@@ -19,7 +19,8 @@ come in tiles of 16 slots (`TILE`), written [B, K, S/16, D, 16] and named
           contiguous (`tile_keys`), so the kernel streams them in order;
           float32, bfloat16 bits (uint16, `kvjax.quant`), or int8 codes
           with per-token float32 scales [B, K, S]; S a multiple of 16
-  values  [B, K, S, E], the keys' storage (int8: with per-token scales)
+  values  [B, K, S, E], the keys' storage (int8: with per-token scales;
+          bfloat16 bits in slot pairs, `tile_values`)
   mask    bool [B, S], True where a slot may be attended
 
 Semantics are `attention.decode_softmax_values`' in float32: logits =
@@ -29,7 +30,10 @@ Over int8 keys the scaled query is rounded per row as the keys are
 (`quant.quantize`) and the logits are integer dots (AVX-512 VNNI where the
 host has it, exact float sums of the same integers elsewhere); unlike
 `layered.int8_attend` the probabilities are not rounded: int8 values are
-converted in registers.
+converted in registers. Over bfloat16 keys and values (GQA's; not MLA's
+latents) the scaled query and the probabilities are rounded to bfloat16,
+FlashAttention's numerics, and the products are vdpbf16ps' (AVX-512 BF16;
+float multiply-adds of the same exact products elsewhere).
 
 Why a kernel (the numbers: WORKSPACE.md "Quantized caches, and the
 cache-dominated regime"): XLA:CPU runs a decode step's per-(sequence, head)
@@ -87,38 +91,74 @@ TILE = 16  # slots per key tile (the kernel's register width)
 
 
 QUAD = 4  # int8 channels of a slot kept adjacent (one VNNI product)
+PAIR = 2  # bfloat16 channels (keys) or slots (values) kept adjacent
 
 
-def quad_tiles(k_tiles):
-  """int8 key tiles [B, K, S/16, D, 16] viewed as their quads, [B, K, S/16,
-  D/4, 16, 4] (a reshape: the same bytes)."""
+def group_width(dtype) -> int:
+  """How many channels of a slot a key tile keeps adjacent for `dtype`:
+  4 for int8 codes (quads), 2 for bfloat16 bits (pairs), else 1."""
+  dtype = jnp.dtype(dtype)
+  return QUAD if dtype == jnp.int8 else PAIR if dtype == quant.BF16_BITS else 1
+
+
+def grouped_tiles(k_tiles):
+  """Key tiles [B, K, S/16, D, 16] viewed as their channel groups, [B, K,
+  S/16, D/w, 16, w] for `group_width` w (a reshape: the same bytes)."""
   B, K, n, D, _ = k_tiles.shape
-  return k_tiles.reshape(B, K, n, D // QUAD, TILE, QUAD)
+  w = group_width(k_tiles.dtype)
+  return k_tiles.reshape(B, K, n, D // w, TILE, w)
 
 
 def tile_keys(k_BKSD):
   """Keys [B, K, S, D] as the kernel reads them, [B, K, S/16, D, 16]: each
-  tile's D × 16 keys contiguous, channel-major; int8 codes in quads, each
-  tile [D/4, 16, 4] (four channels of a slot adjacent, the layout of one
-  VNNI dot; D a multiple of 4), shaped [D, 16] all the same."""
+  tile's D × 16 keys contiguous, channel-major. int8 codes and bfloat16
+  bits keep w = `group_width` channels of a slot adjacent, each tile
+  [D/w, 16, w] (one VNNI or vdpbf16ps product's operand; D a multiple of
+  w), shaped [D, 16] all the same."""
   B, K, S, D = k_BKSD.shape
   if S % TILE:
     raise ValueError(f"tile_keys: S={S} slots is not a multiple of {TILE}")
-  if k_BKSD.dtype == jnp.int8:
-    if D % QUAD:
-      raise ValueError(f"tile_keys: int8 keys of D={D} channels, not a "
-                       f"multiple of {QUAD} (the kernel's quads)")
-    quads = k_BKSD.reshape(B, K, S // TILE, TILE, D // QUAD, QUAD)
-    return jnp.swapaxes(quads, 3, 4).reshape(B, K, S // TILE, D, TILE)
-  return jnp.swapaxes(k_BKSD.reshape(B, K, S // TILE, TILE, D), -1, -2)
+  w = group_width(k_BKSD.dtype)
+  if D % w:
+    raise ValueError(f"tile_keys: {k_BKSD.dtype} keys of D={D} channels, "
+                     f"not a multiple of {w} (the kernel's channel groups)")
+  groups = k_BKSD.reshape(B, K, S // TILE, TILE, D // w, w)
+  return jnp.swapaxes(groups, 3, 4).reshape(B, K, S // TILE, D, TILE)
 
 
 def untile_keys(k_tiles):
   """The inverse of `tile_keys`: [B, K, S/16, D, 16] -> [B, K, S, D]."""
   B, K, n, D, _ = k_tiles.shape
-  if k_tiles.dtype == jnp.int8:
-    return jnp.swapaxes(quad_tiles(k_tiles), 3, 4).reshape(B, K, n * TILE, D)
-  return jnp.swapaxes(k_tiles, -1, -2).reshape(B, K, n * TILE, D)
+  return jnp.swapaxes(grouped_tiles(k_tiles), 3, 4).reshape(B, K, n * TILE,
+                                                            D)
+
+
+def paired_values(v):
+  """bfloat16 values [B, K, S, E] as the kernel keeps them viewed as slot
+  pairs, [B, K, S/2, E, 2] (a reshape of `tile_values`' bytes)."""
+  B, K, S, E = v.shape
+  return v.reshape(B, K, S // PAIR, E, PAIR)
+
+
+def tile_values(v_BKSE):
+  """Values [B, K, S, E] as the kernel reads them: bfloat16 bits in slot
+  pairs (memory [S/2, E, 2]: two slots of a channel adjacent, one
+  vdpbf16ps operand; S even), shaped [B, K, S, E] all the same; other
+  dtypes as they are."""
+  if jnp.dtype(v_BKSE.dtype) != quant.BF16_BITS:
+    return v_BKSE
+  B, K, S, E = v_BKSE.shape
+  if S % PAIR:
+    raise ValueError(f"tile_values: S={S} slots is not even")
+  pairs = jnp.swapaxes(v_BKSE.reshape(B, K, S // PAIR, PAIR, E), 3, 4)
+  return pairs.reshape(B, K, S, E)
+
+
+def untile_values(v):
+  """The inverse of `tile_values`."""
+  if jnp.dtype(v.dtype) != quant.BF16_BITS:
+    return v
+  return jnp.swapaxes(paired_values(v), 3, 4).reshape(v.shape)
 
 
 def _cpu_id() -> str:
@@ -250,7 +290,8 @@ def decode_attend(q_BKGD, k_tiles, v, mask_BS, scale: float,
     q_BKGD: queries (cast to float32).
     k_tiles: keys in tiles of 16 slots (`tile_keys`); float32, uint16
       bfloat16 bits or int8 codes.
-    v: values [B, K, S, E], stored as the keys are.
+    v: values [B, K, S, E] (`tile_values`: bfloat16 bits in slot pairs),
+      stored as the keys are.
     mask_BS: bool, True where a slot may be attended.
     scale: softmax scale.
     k_scale_BKS, v_scale_BKS: float32 per-token scales (int8 codes only).
@@ -269,9 +310,11 @@ def decode_attend(q_BKGD, k_tiles, v, mask_BS, scale: float,
   why = supports(k_tiles.dtype, v.dtype)
   if why:
     raise ValueError(f"decode_attend: {why}")
-  if k_tiles.dtype == jnp.int8 and D % QUAD:
-    raise ValueError(f"decode_attend: int8 keys of D={D} channels, not a "
-                     f"multiple of {QUAD} (the kernel's quads)")
+  if D % group_width(k_tiles.dtype):
+    raise ValueError(f"decode_attend: {k_tiles.dtype} keys of D={D} "
+                     f"channels, not a multiple of "
+                     f"{group_width(k_tiles.dtype)} (the kernel's channel "
+                     "groups)")
   _check_scales("decode_attend", k_tiles.dtype == jnp.int8, k_scale_BKS,
                 v_scale_BKS)
   E = v.shape[3]

@@ -6,9 +6,12 @@ attention is `native_attention.decode_attend` instead of XLA's dots.
              bfloat16 bits, int8 codes with per-token scales, int4 codes
              unpacked to int8), in the kernel's layouts: keys L × [B, K,
              S/16, H, 16] (tiles of 16 slots, each tile's H × 16 keys
-             contiguous: `native_attention.tile_keys`), values L × [B, K,
-             S, H] for every kind; read as stored: no float32 copy of a
-             bfloat16 or int8 cache, no [.., S] logits in memory.
+             contiguous, int8 in channel quads and bfloat16 in channel
+             pairs: `native_attention.tile_keys`), values L × [B, K, S,
+             H] for every kind (bfloat16 in slot pairs:
+             `native_attention.tile_values`); read as stored: no float32
+             copy of a bfloat16 or int8 cache, no [.., S] logits in
+             memory.
 
 Why tiles: with keys transposed whole ([H, S] per head, the layered
 view's layout for XLA's `q K^T`), 16 slots' keys are H rows S apart, and
@@ -25,8 +28,9 @@ returns a new cache; none mutates.
 What it cannot do, and so `supports` refuses (the plan then picks another
 layout): float16 caches (no kernel conversion), KIVI's per-channel keys,
 eviction or `cache` positions (the layered view's limits), segments
-whose slots are not a multiple of 16, int8 / int4 codes of a head width
-that is not a multiple of 4 (the key quads), per-head masks, and hosts
+whose slots are not a multiple of 16, int8 / int4 codes or bfloat16 bits
+of a head width that is not a multiple of 4 / 2 (the key channel groups),
+per-head masks, and hosts
 where the kernel did not build (`native_attention.available`).
 Attention probabilities are not formed, so a policy that scores slots
 cannot read it (none runs on a layered view: eviction is 'none').
@@ -74,9 +78,11 @@ def supports(cache, attend: int) -> str | None:
     return (f"kv_dtype={cache.policy.kv_dtype!r} (the native kernel reads "
             f"{NATIVE_DTYPES})")
   H = cache.v.shape[-1] * (2 if cache.policy.kv_dtype == "int4" else 1)
-  if cache.policy.quantized and H % native_attention.QUAD:
-    return (f"int8 codes of head width {H}, not a multiple of "
-            f"{native_attention.QUAD} (the kernel's key quads)")
+  w = native_attention.group_width(
+      jnp.int8 if cache.policy.quantized else cache.v.dtype)
+  if H % w:
+    return (f"kv_dtype={cache.policy.kv_dtype!r} with head width {H}, not a "
+            f"multiple of {w} (the kernel's key channel groups)")
   if not native_attention.available():
     return "the native kernel is not built on this host (KVJAX_NATIVE=0?)"
   return None
@@ -94,7 +100,8 @@ def from_cache(cache: cache_lib.KVCache, attend: int) -> NativeKV:
   return NativeKV(
       k=tuple(map(native_attention.tile_keys,
                   layered.layer_slices(cache.k, attend))),
-      v=layered.layer_slices(cache.v, attend),
+      v=tuple(map(native_attention.tile_values,
+                  layered.layer_slices(cache.v, attend))),
       k_scale=layered.layer_slices(cache.k_scale, attend),
       v_scale=layered.layer_slices(cache.v_scale, attend),
       positions=cache.positions[:, :attend], length=cache.length,
@@ -105,30 +112,47 @@ def into_cache(cache: cache_lib.KVCache, view: NativeKV) -> cache_lib.KVCache:
   """`cache` with its first S slots, positions and lengths from `view` (the
   inverse of `from_cache`)."""
   return layered.write_back(
-      cache, view, tuple(map(native_attention.untile_keys, view.k)), view.v)
+      cache, view, tuple(map(native_attention.untile_keys, view.k)),
+      tuple(map(native_attention.untile_values, view.v)))
+
+
+def _put_split(view, s_B, new, lanes: int):
+  """view [B, K, S/lanes, X, lanes, ...] with slot s_B[b] (index s // lanes
+  of axis 2, s % lanes of axis 4) set to new[b] ([K, X, ...]) for every
+  sequence (s = S: unchanged); in place, as `layered.put_slot`: a scatter
+  from batch 2, an update slice at batch 1."""
+  B, n = view.shape[0], view.shape[2]
+  if B > 1:
+    index = (jnp.arange(B), slice(None), s_B // lanes, slice(None),
+             s_B % lanes)
+    return view.at[index].set(new, mode="drop")
+  s = jnp.minimum(s_B[0], n * lanes - 1)
+  start = (0, 0, s // lanes, 0, s % lanes) + (0,) * (view.ndim - 5)
+  upd = jnp.expand_dims(new, (2, 4))
+  old = jax.lax.dynamic_slice(view, start, upd.shape)
+  return jax.lax.dynamic_update_slice(
+      view, jnp.where(s_B[0] < n * lanes, upd, old), start)
 
 
 def _put_key(tiles, s_B, new_BKH):
   """tiles [B, K, S/16, H, 16] with slot s_B[b] (tile s // 16, lane s % 16)
-  set to new_BKH[b] for every sequence (s = S: unchanged); in place, as
-  `layered.put_slot`: a scatter from batch 2, an update slice at batch 1.
-  int8 tiles are written through their quad view (`quad_tiles`)."""
-  B, K, n, H, L = tiles.shape
-  if tiles.dtype == jnp.int8:  # [B, K, S/16, H/4, 16, 4]: lane at axis 4
-    view = native_attention.quad_tiles(tiles)
-    new = new_BKH.reshape(B, K, H // native_attention.QUAD,
-                          native_attention.QUAD)
-  else:  # [B, K, S/16, H, 16]
-    view, new = tiles, new_BKH
-  if B > 1:
-    index = (jnp.arange(B), slice(None), s_B // L, slice(None), s_B % L)
-    return view.at[index].set(new, mode="drop").reshape(tiles.shape)
-  s = jnp.minimum(s_B[0], n * L - 1)
-  start = (0, 0, s // L, 0, s % L) + (0,) * (view.ndim - 5)
-  upd = jnp.expand_dims(new, (2, 4))
-  old = jax.lax.dynamic_slice(view, start, upd.shape)
-  return jax.lax.dynamic_update_slice(
-      view, jnp.where(s_B[0] < n * L, upd, old), start).reshape(tiles.shape)
+  set to new_BKH[b], through the tiles' channel groups
+  (`native_attention.grouped_tiles`)."""
+  B, K, _, H, _ = tiles.shape
+  w = native_attention.group_width(tiles.dtype)
+  view = native_attention.grouped_tiles(tiles)
+  return _put_split(view, s_B, new_BKH.reshape(B, K, H // w, w),
+                    native_attention.TILE).reshape(tiles.shape)
+
+
+def _put_value(v, s_B, new_BKH):
+  """values [B, K, S, H] with slot s_B[b] set to new_BKH[b]: bfloat16 bits
+  through their slot pairs (`native_attention.paired_values`), others as
+  `layered.put_slot`."""
+  if jnp.dtype(v.dtype) != quant.BF16_BITS:
+    return layered.put_slot(v, s_B, new_BKH, 2)
+  return _put_split(native_attention.paired_values(v), s_B, new_BKH,
+                    native_attention.PAIR).reshape(v.shape)
 
 
 def write(view: NativeKV, layer: int, slots_BT, k_BTKH, v_BTKH) -> NativeKV:
@@ -146,8 +170,8 @@ def write(view: NativeKV, layer: int, slots_BT, k_BTKH, v_BTKH) -> NativeKV:
     if storage == quant.INT4_PAIRS:  # the view holds int4 codes unpacked
       codes_BKH = quant.unpack_int4(codes_BKH)
     arrs = list(getattr(view, name))
-    arrs[layer] = (_put_key(arrs[layer], s_B, codes_BKH) if name == "k" else
-                   layered.put_slot(arrs[layer], s_B, codes_BKH, 2))
+    put = _put_key if name == "k" else _put_value
+    arrs[layer] = put(arrs[layer], s_B, codes_BKH)
     new[name] = tuple(arrs)
     if scale_BK is not None:
       scales = list(getattr(view, name + "_scale"))

@@ -55,7 +55,8 @@ def operands(form, B, K, G, D, E, S, seed=0):
     vb = quant.quantize(jnp.asarray(v), quant.BF16_BITS)[0]
     k64 = np.asarray(quant.dequantize(kb, None, jnp.float32), np.float64)
     v64 = np.asarray(quant.dequantize(vb, None, jnp.float32), np.float64)
-    return q, native_attention.tile_keys(kb), vb, None, None, k64, v64
+    return (q, native_attention.tile_keys(kb), native_attention.tile_values(vb),
+            None, None, k64, v64)
   return (q, native_attention.tile_keys(jnp.asarray(k)), jnp.asarray(v),
           None, None, k.astype(np.float64), v.astype(np.float64))
 
@@ -70,11 +71,28 @@ def rounded_query(q, scale):
           np.asarray(q_scale, np.float64)[..., None])
 
 
-def reference(q, k64, v64, mask_BS, scale, int8=False):
+def bf16_query(q, scale):
+  """The kernel's query over bfloat16 keys: q · scale in float32, rounded
+  to bfloat16, as float64."""
+  qs = jnp.asarray(q, jnp.float32) * np.float32(scale)
+  return np.asarray(qs.astype(jnp.bfloat16), np.float64)
+
+
+def atol(form, v64):
+  """The kernel's absolute error bound against `reference`: float32 sums,
+  and over bfloat16 values the probabilities rounded to bfloat16 (each
+  weight within 2^-9 of itself: at most 2^-9 · max|v| on the output)."""
+  return 2e-5 + (2.0 ** -9 * np.abs(v64).max() if form == "bfloat16" else 0)
+
+
+def reference(q, k64, v64, mask_BS, scale, form="float32"):
   """float64 masked softmax attention; a fully masked row averages. With
-  `int8` the query is the kernel's rounded one (`rounded_query`)."""
-  if int8:
+  form int8 or bfloat16 the query is the kernel's rounded one
+  (`rounded_query`, `bf16_query`)."""
+  if form == "int8":
     q, scale = rounded_query(q, scale), 1.0
+  elif form == "bfloat16":
+    q, scale = bf16_query(q, scale), 1.0
   logits = np.einsum("bkgd,bksd->bkgs", q.astype(np.float64), k64) * scale
   logits = np.where(mask_BS[:, None, None], logits, -np.inf)
   full = ~mask_BS.any(axis=1)
@@ -86,8 +104,8 @@ def reference(q, k64, v64, mask_BS, scale, int8=False):
 
 def portable_build(call: str, **operands):
   """`call` (an expression over `na`, `jnp` and the arrays `o[name]`)
-  evaluated in a subprocess whose kernel is built without VNNI (the
-  portable paths, $KVJAX_NATIVE_FLAGS) into a fresh directory."""
+  evaluated in a subprocess whose kernel is built without VNNI and AVX-512
+  BF16 (the portable paths, $KVJAX_NATIVE_FLAGS) into a fresh directory."""
   with tempfile.TemporaryDirectory() as tmp:
     path, out = os.path.join(tmp, "ops.npz"), os.path.join(tmp, "out.npy")
     np.savez(path, **{k: np.asarray(v) for k, v in operands.items()})
@@ -96,7 +114,7 @@ def portable_build(call: str, **operands):
             f"o = np.load({path!r})\n"
             f"np.save({out!r}, np.asarray({call}))\n")
     env = dict(os.environ, JAX_PLATFORMS="cpu", KVJAX_NATIVE_DIR=tmp,
-               KVJAX_NATIVE_FLAGS="-mno-avx512vnni -mno-avxvnni")
+               KVJAX_NATIVE_FLAGS="-mno-avx512vnni -mno-avxvnni -mno-avx512bf16")
     root = os.path.join(os.path.dirname(__file__), "..")
     run = subprocess.run([sys.executable, "-c", code], cwd=root, env=env,
                          capture_output=True, text=True, check=False)
@@ -124,8 +142,9 @@ class KernelTest(parameterized.TestCase):
     scale = D ** -0.5
     out = native_attention.decode_attend(q, k, v, jnp.asarray(mask), scale,
                                          ks, vs)
-    want = reference(q, k64, v64, mask, scale, int8=form == "int8")
-    np.testing.assert_allclose(np.asarray(out), want, rtol=2e-5, atol=2e-5)
+    want = reference(q, k64, v64, mask, scale, form)
+    np.testing.assert_allclose(np.asarray(out), want, rtol=2e-5,
+                               atol=atol(form, v64))
 
   @cases.product(form=FORMS)
   def test_widths_off_the_register_tiles(self, form):
@@ -138,8 +157,8 @@ class KernelTest(parameterized.TestCase):
                                          ks, vs)
     np.testing.assert_allclose(
         np.asarray(out),
-        reference(q, k64, v64, mask, 0.3, int8=form == "int8"),
-        rtol=2e-5, atol=2e-5)
+        reference(q, k64, v64, mask, 0.3, form),
+        rtol=2e-5, atol=atol(form, v64))
 
   def test_int8_rounds_only_the_query(self):
     # Over int8 keys the query is rounded as the keys are; the output stays
@@ -151,7 +170,7 @@ class KernelTest(parameterized.TestCase):
                            jnp.int8)[0]
     np.testing.assert_array_equal(
         np.asarray(native_attention.untile_keys(k)), np.asarray(codes))
-    tiles = np.asarray(native_attention.quad_tiles(k))
+    tiles = np.asarray(native_attention.grouped_tiles(k))
     # slot 21 (tile 1, lane 5), channels 8-11 (quad 2): adjacent bytes
     np.testing.assert_array_equal(tiles[0, 0, 1, 2, 5],
                                   np.asarray(codes)[0, 0, 21, 8:12])
@@ -159,23 +178,28 @@ class KernelTest(parameterized.TestCase):
     out = np.asarray(native_attention.decode_attend(
         q, k, v, jnp.asarray(mask), D ** -0.5, ks, vs))
     exact = reference(q, k64, v64, mask, D ** -0.5)
-    rounded = reference(q, k64, v64, mask, D ** -0.5, int8=True)
+    rounded = reference(q, k64, v64, mask, D ** -0.5, "int8")
     np.testing.assert_allclose(out, rounded, rtol=2e-5, atol=2e-5)
     self.assertGreater(np.abs(out - exact).max(), 1e-6)  # it does round
     np.testing.assert_allclose(out, exact, atol=2e-2)
 
-  def test_int8_portable_path_equals_vnni(self):
-    # Built without VNNI (the portable path: the quads' codes unpacked, float
-    # sums of the same integers) the kernel gives the same bits.
-    B, K, G, D, S = 2, 2, 8, 32, 304
-    q, k, v, ks, vs, _, _ = operands("int8", B, K, G, D, D, S, seed=5)
+  @cases.product(form=("int8", "bfloat16"))
+  def test_portable_path_equals_vnni_and_bf16(self, form):
+    # Built without VNNI and AVX-512 BF16 (the portable paths: the groups'
+    # codes or bits unpacked, float multiply-adds of the same exact
+    # products in the same order) the kernel gives the same bits. E = 40:
+    # the value channels past the last 16 too.
+    B, K, G, D, E, S = 2, 2, 8, 32, 40, 304
+    q, k, v, ks, vs, _, _ = operands(form, B, K, G, D, E, S, seed=5)
     mask = np.random.default_rng(1).random((B, S)) < 0.8
     here = np.asarray(native_attention.decode_attend(
         q, k, v, jnp.asarray(mask), 0.25, ks, vs))
+    scales = dict(ks=ks, vs=vs) if form == "int8" else {}
     portable = portable_build(
-        "na.decode_attend(o['q'], jnp.asarray(o['k']), o['v'], "
-        "jnp.asarray(o['mask']), 0.25, o['ks'], o['vs'])",
-        q=q, k=k, v=v, ks=ks, vs=vs, mask=mask)
+        "na.decode_attend(o['q'], jnp.asarray(o['k']), jnp.asarray(o['v']),"
+        " jnp.asarray(o['mask']), 0.25" +
+        (", o['ks'], o['vs'])" if scales else ")"),
+        q=q, k=k, v=v, mask=mask, **scales)
     np.testing.assert_array_equal(portable, here)
 
   def test_int8_latents_portable_path_equals_vnni(self):
@@ -349,8 +373,9 @@ class NativeViewTest(parameterized.TestCase):
       [dict(variant="mla", kv=k) for k in native_latent.NATIVE_LATENT_DTYPES],
       slow=lambda variant, kv: variant not in cases.FAST_VARIANTS)
   def test_generate_equals_the_stacked_path(self, variant, kv):
-    if kv in ("int8", "int4"):
-      # Over int8 codes the kernel rounds the query as the keys are, so a
+    if kv in ("int8", "int4") or (kv == "bfloat16" and variant != "mla"):
+      # Over int8 codes the kernel rounds the query as the keys are, over
+      # bfloat16 (GQA's) the query and the probabilities to bfloat16, so a
       # random model's greedy tokens can flip at a near-tie: the tokens are
       # given, and the logits agree within the storage's tolerance.
       out = teacher_forced_layouts(variant, kv, 2, ("stacked", "native"))

@@ -15,9 +15,11 @@
 //                                bf16 bits as u16, s8); S a multiple of 16.
 //                                s8 tiles hold [D/4, 16, 4] (four channels
 //                                of a slot adjacent: `quad` tiles), D a
-//                                multiple of 4
+//                                multiple of 4; bf16 tiles [D/2, 16, 2]
+//                                (`pair` tiles), D even
 //   k_scale f32   [B, K, S]      per-token key scales (s8; else [0])
-//   v       T     [B, K, S, E]   values
+//   v       T     [B, K, S, E]   values (bf16: [S/2, E, 2], two slots of
+//                                a channel adjacent)
 //   v_scale f32   [B, K, S]      per-token value scales (s8; else [0])
 //   mask    pred  [B, S]         True where a slot may be attended
 //   out     f32   [B, K, G, E]
@@ -30,7 +32,10 @@
 // row, symmetric int8: `quant.quantize`) and the logits are integer dot
 // products, q_scale · k_scale · (q_codes · k_codes): AVX-512 VNNI's
 // vpdpbusd takes four channels' products a lane per instruction where
-// float32 multiply-adds take one.
+// float32 multiply-adds take one. Over bfloat16 keys and values the query
+// and the probabilities are rounded to bfloat16 (FlashAttention's
+// numerics: bf16 products, float32 sums and softmax) and AVX-512 BF16's
+// vdpbf16ps takes two products a lane per instruction.
 //
 // Work: tasks of (sequence, kv head, slot chunk) on XLA's intra-op thread
 // pool; each walks its slots in blocks of 128 with the online softmax, the
@@ -288,6 +293,210 @@ struct LatentQuery {
   const float *sa, *sb;     // row scales [GN]
   const int32_t *oa, *ob;   // offsets [GN]
 };
+
+// float32 -> bfloat16 bits, rounded to nearest even (as XLA's convert;
+// no NaNs reach it: queries and probabilities are finite).
+inline uint32_t bf16_bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+}
+inline float bf16_float(uint32_t bits) {
+  const uint32_t u = bits << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+// G query rows of width W (even) rounded to bfloat16: as words of two
+// channels (2e in the low half, 2e + 1 in the high: vdpbf16ps' pairs) and
+// as floats (the portable path).
+struct PairRows {
+  std::vector<uint32_t> words;
+  std::vector<float> floats;
+
+  PairRows() = default;
+  PairRows(const float* x, int64_t G, int64_t W)
+      : words(G * W / 2), floats(G * W) {
+    for (int64_t i = 0; i < G * W; ++i)
+      floats[i] = bf16_float(bf16_bits(x[i]));
+    for (int64_t i = 0; i < G * W / 2; ++i)
+      words[i] = bf16_bits(x[2 * i]) | bf16_bits(x[2 * i + 1]) << 16;
+  }
+};
+
+// Sixteen lanes of slot-pair words as two float vectors: the even member
+// (low half) and the odd one (high half).
+inline void unpair16(const uint32_t* p, f16v& even, f16v& odd) {
+  u32x16 w;
+  std::memcpy(&w, p, sizeof(w));
+  const u32x16 lo = w << 16, hi = w & 0xFFFF0000u;
+  std::memcpy(&even, &lo, sizeof(even));
+  std::memcpy(&odd, &hi, sizeof(odd));
+}
+
+// `block_logits` over bfloat16 keys in pair tiles ([D/2, 16, 2] per tile of
+// 16 slots) for a query rounded to bfloat16 (`PairRows`, rows of this
+// tile): vdpbf16ps adds a pair's two products to each lane (the odd
+// channel's first, as the instruction does; each product is exact in
+// float32, so the portable path's multiply-adds in that order agree).
+template <int GN>
+inline void block_logits_pairs(const uint32_t* __restrict__ qw,
+                               const float* __restrict__ qf, int64_t D,
+                               const uint16_t* __restrict__ k,
+                               const bool* __restrict__ mask, int64_t b0,
+                               int64_t n, float* __restrict__ lg,
+                               float* __restrict__ bm) {
+  const int64_t D2 = D / 2;
+  f16v vmax[GN];
+  for (int g = 0; g < GN; ++g) vmax[g] = f16v{} + kLowest;
+  auto finish = [&](int g, f16v sum, int64_t j) {
+    store16(lg + g * kBlock + j,
+            finish16(sum, nullptr, mask + b0 + j, vmax[g]));
+  };
+  int64_t j0 = 0;
+#if defined(__AVX512BF16__)
+  auto as_f16v = [](__m512 x) {
+    f16v r;
+    std::memcpy(&r, &x, sizeof(r));
+    return r;
+  };
+  for (; j0 + 2 * kLanes <= n; j0 += 2 * kLanes) {
+    __m512 a[GN], c[GN];
+    for (int g = 0; g < GN; ++g) a[g] = c[g] = _mm512_setzero_ps();
+    const uint16_t* kr = k + (b0 + j0) * D;
+    for (int64_t d2 = 0; d2 < D2; ++d2, kr += 2 * kLanes) {
+      prefetch_l2(kr + 2 * kBlock * D);
+      prefetch_l2(kr + 2 * kBlock * D + kLanes * D);
+      const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kr);
+      const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kr + kLanes * D);
+      for (int g = 0; g < GN; ++g) {
+        const __m512bh qv = (__m512bh)_mm512_set1_epi32(qw[g * D2 + d2]);
+        a[g] = _mm512_dpbf16_ps(a[g], k0, qv);
+        c[g] = _mm512_dpbf16_ps(c[g], k1, qv);
+      }
+    }
+    for (int g = 0; g < GN; ++g) {
+      finish(g, as_f16v(a[g]), j0);
+      finish(g, as_f16v(c[g]), j0 + kLanes);
+    }
+  }
+  for (; j0 < n; j0 += kLanes) {
+    __m512 a[GN];
+    for (int g = 0; g < GN; ++g) a[g] = _mm512_setzero_ps();
+    const uint16_t* kr = k + (b0 + j0) * D;
+    for (int64_t d2 = 0; d2 < D2; ++d2, kr += 2 * kLanes) {
+      const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kr);
+      for (int g = 0; g < GN; ++g)
+        a[g] = _mm512_dpbf16_ps(
+            a[g], k0, (__m512bh)_mm512_set1_epi32(qw[g * D2 + d2]));
+    }
+    for (int g = 0; g < GN; ++g) finish(g, as_f16v(a[g]), j0);
+  }
+#else
+  for (; j0 < n; j0 += kLanes) {
+    f16v a[GN];
+    for (int g = 0; g < GN; ++g) a[g] = f16v{};
+    const uint16_t* kr = k + (b0 + j0) * D;
+    for (int64_t d2 = 0; d2 < D2; ++d2, kr += 2 * kLanes) {
+      prefetch_l2(kr + 2 * kBlock * D);
+      f16v even, odd;
+      unpair16(reinterpret_cast<const uint32_t*>(kr), even, odd);
+      for (int g = 0; g < GN; ++g) {
+        a[g] += qf[g * D + 2 * d2 + 1] * odd;
+        a[g] += qf[g * D + 2 * d2] * even;
+      }
+    }
+    for (int g = 0; g < GN; ++g) finish(g, a[g], j0);
+  }
+#endif
+  for (int g = 0; g < GN; ++g) bm[g] = hmax(vmax[g]);
+}
+
+// acc[g][e] += sum_j p[g][j] · v[j][e] over bfloat16 values in slot pairs
+// ([S/2, E, 2]: slots 2i and 2i + 1 of a channel adjacent), the
+// probabilities rounded to bfloat16 pairs (FlashAttention rounds P so for
+// its P·V product; the softmax's sum l is taken before the rounding, in
+// float32). n is even (blocks are whole tiles of 16 slots).
+template <int GN>
+inline void block_values_pairs(const float* __restrict__ p,
+                               const uint16_t* __restrict__ v, int64_t E,
+                               int64_t b0, int64_t n,
+                               float* __restrict__ acc) {
+  constexpr int64_t kPairs = kBlock / 2;
+  alignas(64) uint32_t pw[GN * kPairs];
+  for (int g = 0; g < GN; ++g)
+    for (int64_t i = 0; i < n / 2; ++i)
+      pw[g * kPairs + i] = bf16_bits(p[g * kBlock + 2 * i]) |
+                           bf16_bits(p[g * kBlock + 2 * i + 1]) << 16;
+  const uint16_t* vb = v + b0 * E;  // the block's first pair row
+  int64_t e0 = 0;
+  for (; e0 + kLanes <= E; e0 += kLanes) {
+    const uint16_t* vr = vb + 2 * e0;
+#if defined(__AVX512BF16__)
+    __m512 a[GN], c[GN];
+    for (int g = 0; g < GN; ++g) {
+      a[g] = _mm512_loadu_ps(acc + g * E + e0);
+      c[g] = _mm512_setzero_ps();
+    }
+    int64_t i = 0;
+    // Two pair rows at a time into separate sums (the latency).
+    for (; i + 2 <= n / 2; i += 2, vr += 4 * E) {
+      prefetch_l2(vr + 2 * kBlock * E);
+      prefetch_l2(vr + 2 * kBlock * E + 2 * E);
+      const __m512bh v0 = (__m512bh)_mm512_loadu_si512(vr);
+      const __m512bh v1 = (__m512bh)_mm512_loadu_si512(vr + 2 * E);
+      for (int g = 0; g < GN; ++g) {
+        a[g] = _mm512_dpbf16_ps(
+            a[g], v0, (__m512bh)_mm512_set1_epi32(pw[g * kPairs + i]));
+        c[g] = _mm512_dpbf16_ps(
+            c[g], v1, (__m512bh)_mm512_set1_epi32(pw[g * kPairs + i + 1]));
+      }
+    }
+    for (; i < n / 2; ++i, vr += 2 * E) {
+      const __m512bh v0 = (__m512bh)_mm512_loadu_si512(vr);
+      for (int g = 0; g < GN; ++g)
+        a[g] = _mm512_dpbf16_ps(
+            a[g], v0, (__m512bh)_mm512_set1_epi32(pw[g * kPairs + i]));
+    }
+    for (int g = 0; g < GN; ++g)
+      _mm512_storeu_ps(acc + g * E + e0, _mm512_add_ps(a[g], c[g]));
+#else
+    // The same sums in the same order as the vdpbf16ps loop above.
+    f16v a[GN], c[GN];
+    for (int g = 0; g < GN; ++g) {
+      a[g] = load16(acc + g * E + e0);
+      c[g] = f16v{};
+    }
+    auto pair_row = [&](f16v* sums, int64_t i, const uint16_t* row) {
+      f16v even, odd;
+      unpair16(reinterpret_cast<const uint32_t*>(row), even, odd);
+      for (int g = 0; g < GN; ++g) {
+        const uint32_t w = pw[g * kPairs + i];
+        sums[g] += bf16_float(w >> 16) * odd;
+        sums[g] += bf16_float(w & 0xFFFFu) * even;
+      }
+    };
+    int64_t i = 0;
+    for (; i + 2 <= n / 2; i += 2, vr += 4 * E) {
+      prefetch_l2(vr + 2 * kBlock * E);
+      prefetch_l2(vr + 2 * kBlock * E + 2 * E);
+      pair_row(a, i, vr);
+      pair_row(c, i + 1, vr + 2 * E);
+    }
+    for (; i < n / 2; ++i, vr += 2 * E) pair_row(a, i, vr);
+    for (int g = 0; g < GN; ++g) store16(acc + g * E + e0, a[g] + c[g]);
+#endif
+  }
+  for (; e0 < E; ++e0)  // channels past the last multiple of 16
+    for (int g = 0; g < GN; ++g)
+      for (int64_t i = 0; i < n / 2; ++i) {
+        const uint32_t w = pw[g * kPairs + i];
+        const uint16_t* pr = vb + 2 * (i * E + e0);
+        acc[g * E + e0] += bf16_float(w >> 16) * load1(pr[1]);
+        acc[g * E + e0] += bf16_float(w & 0xFFFFu) * load1(pr[0]);
+      }
+}
 
 // A query tile over int8 (quad-tiled) keys: the rows rounded to int8 codes
 // (`quant.quantize`: scale max|x| / 127), as int32 words of four codes
@@ -699,7 +908,8 @@ inline void block_values(const float* __restrict__ p,
 
 // One tile of GN query rows over slots [s0, s1): the online softmax.
 // logits(b0, n, lg) fills lg[g][j] for the block's n slots from b0.
-template <int GN, typename T, bool value_ahead, typename Logits>
+template <int GN, typename T, bool value_ahead, bool pair_values,
+          typename Logits>
 void attend_tile(const Logits& logits, const T* __restrict__ v,
                  const float* __restrict__ v_scale, int64_t E, int64_t s0,
                  int64_t s1, float* __restrict__ m, float* __restrict__ l,
@@ -736,19 +946,28 @@ void attend_tile(const Logits& logits, const T* __restrict__ v,
       l[g] += sum;
       m[g] = m_new;
     }
-    block_values<GN, T, value_ahead>(lg, v, E, b0, n, acc);
+    if constexpr (pair_values) {
+      block_values_pairs<GN>(lg, v, E, b0, n, acc);
+    } else {
+      block_values<GN, T, value_ahead>(lg, v, E, b0, n, acc);
+    }
   }
 }
 
 template <int GN, typename T>
-void gqa_tile(const float* qg, const QuadQuery& quads, const T* k,
-              const float* k_scale, const T* v, const float* v_scale,
-              const bool* mask, int64_t D, int64_t E, int64_t S, int64_t s0,
-              int64_t s1, float* m, float* l, float* acc) {
-  attend_tile<GN, T, true>(
+void gqa_tile(const float* qg, const QuadQuery& quads, const uint32_t* qw,
+              const float* qf, const T* k, const float* k_scale, const T* v,
+              const float* v_scale, const bool* mask, int64_t D, int64_t E,
+              int64_t S, int64_t s0, int64_t s1, float* m, float* l,
+              float* acc) {
+  // bfloat16 (bits, uint16): pair tiles of keys and slot pairs of values.
+  constexpr bool pairs = std::is_same_v<T, uint16_t>;
+  attend_tile<GN, T, true, pairs>(
       [&](int64_t b0, int64_t n, float* lg, float* bm) {
         if constexpr (std::is_same_v<T, int8_t>) {
           block_logits_quads<GN>(quads, D, k, k_scale, mask, b0, n, lg, bm);
+        } else if constexpr (pairs) {
+          block_logits_pairs<GN>(qw, qf, D, k, mask, b0, n, lg, bm);
         } else {
           block_logits<GN, T>(qg, D, k, k_scale, mask, b0, n, lg, bm);
         }
@@ -763,7 +982,7 @@ void latent_tile(const float* qa, const float* qb, const LatentQuery& lq,
                  int64_t s1, float* m, float* l, float* acc) {
   // The latents are the values too; an int8 latent's scale goes into its
   // weight (`attend_tile`'s value scales).
-  attend_tile<GN, T, false>(
+  attend_tile<GN, T, false, false>(
       [&](int64_t b0, int64_t n, float* lg, float* bm) {
         block_logits_rows<GN, T>(qa, A, qb, R, lq, a, b, cs, rs, mask, b0, n,
                                  lg, bm);
@@ -812,6 +1031,9 @@ void attend_range(const float* q, const float* qb, const T* k,
   std::vector<int32_t> qw(codes ? G * D / 4 : 0);  // GQA: the quads as words
   if (codes && qb == nullptr)
     std::memcpy(qw.data(), ra.codes.data(), qw.size() * sizeof(int32_t));
+  // bfloat16 keys (GQA's pair tiles): the scaled query rounded to bfloat16.
+  const bool pairs = std::is_same_v<T, uint16_t> && qb == nullptr;
+  const PairRows rp = pairs ? PairRows(qs.data(), G, D) : PairRows();
   // Blocks outside, query tiles inside: a block's keys and values come
   // from memory once and stay in cache for the other tiles of its rows
   // (MQA's and MLA's G = 8 rows are two tiles).
@@ -842,8 +1064,11 @@ void attend_range(const float* q, const float* qb, const T* k,
                                 ra.fcodes.data() + g0 * D,
                                 ra.scale.data() + g0, ra.offset.data() + g0}
                     : QuadQuery{};
-          gqa_tile<GN, T>(qs.data() + g0 * D, tile, k, k_scale, v, v_scale,
-                          mask, D, E, S, b0, b1, m, l, acc);
+          gqa_tile<GN, T>(qs.data() + g0 * D, tile,
+                          pairs ? rp.words.data() + g0 * D / 2 : nullptr,
+                          pairs ? rp.floats.data() + g0 * D : nullptr, k,
+                          k_scale, v, v_scale, mask, D, E, S, b0, b1, m, l,
+                          acc);
         }
       });
     }
@@ -959,6 +1184,8 @@ static ffi::Error DecodeAttentionImpl(
     return ffi::Error::InvalidArgument("k must be [B, K, S/16, D, 16]");
   if (k.element_type() == ffi::S8 && D % 4 != 0)
     return ffi::Error::InvalidArgument("int8 keys: D must be a multiple of 4");
+  if (k.element_type() == ffi::U16 && D % 2 != 0)
+    return ffi::Error::InvalidArgument("bfloat16 keys: D must be even");
   if (vd[0] != B || vd[1] != K || vd[2] != S)
     return ffi::Error::InvalidArgument("v must be [B, K, S, E]");
   if (k.element_type() != v.element_type())
