@@ -425,10 +425,26 @@ inline void block_values_pairs(const float* __restrict__ p,
                                float* __restrict__ acc) {
   constexpr int64_t kPairs = kBlock / 2;
   alignas(64) uint32_t pw[GN * kPairs];
+  // 32 slots' probabilities at a time, rounded as `bf16_bits` and paired
+  // (word i: slots 2i, 2i + 1) in vector registers; a block's last 16
+  // slots with zeros after them.
+  constexpr i32x16 even = {0, 2, 4, 6, 8, 10, 12, 14,
+                           16, 18, 20, 22, 24, 26, 28, 30};
+  constexpr i32x16 odd = even + 1;
+  auto rounded = [](const float* x) {
+    u32x16 u;
+    std::memcpy(&u, x, sizeof(u));
+    return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  };
   for (int g = 0; g < GN; ++g)
-    for (int64_t i = 0; i < n / 2; ++i)
-      pw[g * kPairs + i] = bf16_bits(p[g * kBlock + 2 * i]) |
-                           bf16_bits(p[g * kBlock + 2 * i + 1]) << 16;
+    for (int64_t j = 0; j < n; j += 2 * kLanes) {
+      const u32x16 a = rounded(p + g * kBlock + j);
+      const u32x16 b = j + kLanes < n ? rounded(p + g * kBlock + j + kLanes)
+                                      : u32x16{};
+      const u32x16 w = __builtin_shuffle(a, b, even) |
+                       __builtin_shuffle(a, b, odd) << 16;
+      std::memcpy(pw + g * kPairs + j / 2, &w, sizeof(w));
+    }
   const uint16_t* vb = v + b0 * E;  // the block's first pair row
   int64_t e0 = 0;
   for (; e0 + kLanes <= E; e0 += kLanes) {
