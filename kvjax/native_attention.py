@@ -19,8 +19,7 @@ come in tiles of 16 slots (`TILE`), written [B, K, S/16, D, 16] and named
           contiguous (`tile_keys`), so the kernel streams them in order;
           float32, bfloat16 bits (uint16, `kvjax.quant`), or int8 codes
           with per-token float32 scales [B, K, S]; S a multiple of 16
-  values  [B, K, S, E], the keys' storage (int8: with per-token scales;
-          bfloat16 bits in slot pairs, `tile_values`)
+  values  [B, K, S, E], the keys' storage (int8: with per-token scales)
   mask    bool [B, S], True where a slot may be attended
 
 Semantics are `attention.decode_softmax_values`' in float32: logits =
@@ -91,7 +90,7 @@ TILE = 16  # slots per key tile (the kernel's register width)
 
 
 QUAD = 4  # int8 channels of a slot kept adjacent (one VNNI product)
-PAIR = 2  # bfloat16 channels (keys) or slots (values) kept adjacent
+PAIR = 2  # bfloat16 channels of a slot kept adjacent (one vdpbf16ps)
 
 
 def group_width(dtype) -> int:
@@ -131,34 +130,6 @@ def untile_keys(k_tiles):
   B, K, n, D, _ = k_tiles.shape
   return jnp.swapaxes(grouped_tiles(k_tiles), 3, 4).reshape(B, K, n * TILE,
                                                             D)
-
-
-def paired_values(v):
-  """bfloat16 values [B, K, S, E] as the kernel keeps them viewed as slot
-  pairs, [B, K, S/2, E, 2] (a reshape of `tile_values`' bytes)."""
-  B, K, S, E = v.shape
-  return v.reshape(B, K, S // PAIR, E, PAIR)
-
-
-def tile_values(v_BKSE):
-  """Values [B, K, S, E] as the kernel reads them: bfloat16 bits in slot
-  pairs (memory [S/2, E, 2]: two slots of a channel adjacent, one
-  vdpbf16ps operand; S even), shaped [B, K, S, E] all the same; other
-  dtypes as they are."""
-  if jnp.dtype(v_BKSE.dtype) != quant.BF16_BITS:
-    return v_BKSE
-  B, K, S, E = v_BKSE.shape
-  if S % PAIR:
-    raise ValueError(f"tile_values: S={S} slots is not even")
-  pairs = jnp.swapaxes(v_BKSE.reshape(B, K, S // PAIR, PAIR, E), 3, 4)
-  return pairs.reshape(B, K, S, E)
-
-
-def untile_values(v):
-  """The inverse of `tile_values`."""
-  if jnp.dtype(v.dtype) != quant.BF16_BITS:
-    return v
-  return jnp.swapaxes(paired_values(v), 3, 4).reshape(v.shape)
 
 
 def _cpu_id() -> str:
@@ -290,8 +261,7 @@ def decode_attend(q_BKGD, k_tiles, v, mask_BS, scale: float,
     q_BKGD: queries (cast to float32).
     k_tiles: keys in tiles of 16 slots (`tile_keys`); float32, uint16
       bfloat16 bits or int8 codes.
-    v: values [B, K, S, E] (`tile_values`: bfloat16 bits in slot pairs),
-      stored as the keys are.
+    v: values [B, K, S, E], stored as the keys are.
     mask_BS: bool, True where a slot may be attended.
     scale: softmax scale.
     k_scale_BKS, v_scale_BKS: float32 per-token scales (int8 codes only).

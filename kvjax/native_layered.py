@@ -8,10 +8,8 @@ attention is `native_attention.decode_attend` instead of XLA's dots.
              S/16, H, 16] (tiles of 16 slots, each tile's H × 16 keys
              contiguous, int8 in channel quads and bfloat16 in channel
              pairs: `native_attention.tile_keys`), values L × [B, K, S,
-             H] for every kind (bfloat16 in slot pairs:
-             `native_attention.tile_values`); read as stored: no float32
-             copy of a bfloat16 or int8 cache, no [.., S] logits in
-             memory.
+             H] for every kind; read as stored: no float32 copy of a
+             bfloat16 or int8 cache, no [.., S] logits in memory.
 
 Why tiles: with keys transposed whole ([H, S] per head, the layered
 view's layout for XLA's `q K^T`), 16 slots' keys are H rows S apart, and
@@ -100,8 +98,7 @@ def from_cache(cache: cache_lib.KVCache, attend: int) -> NativeKV:
   return NativeKV(
       k=tuple(map(native_attention.tile_keys,
                   layered.layer_slices(cache.k, attend))),
-      v=tuple(map(native_attention.tile_values,
-                  layered.layer_slices(cache.v, attend))),
+      v=layered.layer_slices(cache.v, attend),
       k_scale=layered.layer_slices(cache.k_scale, attend),
       v_scale=layered.layer_slices(cache.v_scale, attend),
       positions=cache.positions[:, :attend], length=cache.length,
@@ -112,8 +109,7 @@ def into_cache(cache: cache_lib.KVCache, view: NativeKV) -> cache_lib.KVCache:
   """`cache` with its first S slots, positions and lengths from `view` (the
   inverse of `from_cache`)."""
   return layered.write_back(
-      cache, view, tuple(map(native_attention.untile_keys, view.k)),
-      tuple(map(native_attention.untile_values, view.v)))
+      cache, view, tuple(map(native_attention.untile_keys, view.k)), view.v)
 
 
 def _put_split(view, s_B, new, lanes: int):
@@ -145,16 +141,6 @@ def _put_key(tiles, s_B, new_BKH):
                     native_attention.TILE).reshape(tiles.shape)
 
 
-def _put_value(v, s_B, new_BKH):
-  """values [B, K, S, H] with slot s_B[b] set to new_BKH[b]: bfloat16 bits
-  through their slot pairs (`native_attention.paired_values`), others as
-  `layered.put_slot`."""
-  if jnp.dtype(v.dtype) != quant.BF16_BITS:
-    return layered.put_slot(v, s_B, new_BKH, 2)
-  return _put_split(native_attention.paired_values(v), s_B, new_BKH,
-                    native_attention.PAIR).reshape(v.shape)
-
-
 def write(view: NativeKV, layer: int, slots_BT, k_BTKH, v_BTKH) -> NativeKV:
   """Stores one decode token per sequence (T = 1) of static `layer` at
   `slots` [B, 1] (slot = S: dropped), quantized as the stacked cache
@@ -170,8 +156,8 @@ def write(view: NativeKV, layer: int, slots_BT, k_BTKH, v_BTKH) -> NativeKV:
     if storage == quant.INT4_PAIRS:  # the view holds int4 codes unpacked
       codes_BKH = quant.unpack_int4(codes_BKH)
     arrs = list(getattr(view, name))
-    put = _put_key if name == "k" else _put_value
-    arrs[layer] = put(arrs[layer], s_B, codes_BKH)
+    arrs[layer] = (_put_key(arrs[layer], s_B, codes_BKH) if name == "k" else
+                   layered.put_slot(arrs[layer], s_B, codes_BKH, 2))
     new[name] = tuple(arrs)
     if scale_BK is not None:
       scales = list(getattr(view, name + "_scale"))

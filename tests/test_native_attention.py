@@ -55,8 +55,7 @@ def operands(form, B, K, G, D, E, S, seed=0):
     vb = quant.quantize(jnp.asarray(v), quant.BF16_BITS)[0]
     k64 = np.asarray(quant.dequantize(kb, None, jnp.float32), np.float64)
     v64 = np.asarray(quant.dequantize(vb, None, jnp.float32), np.float64)
-    return (q, native_attention.tile_keys(kb), native_attention.tile_values(vb),
-            None, None, k64, v64)
+    return q, native_attention.tile_keys(kb), vb, None, None, k64, v64
   return (q, native_attention.tile_keys(jnp.asarray(k)), jnp.asarray(v),
           None, None, k.astype(np.float64), v.astype(np.float64))
 

@@ -18,8 +18,7 @@
 //                                multiple of 4; bf16 tiles [D/2, 16, 2]
 //                                (`pair` tiles), D even
 //   k_scale f32   [B, K, S]      per-token key scales (s8; else [0])
-//   v       T     [B, K, S, E]   values (bf16: [S/2, E, 2], two slots of
-//                                a channel adjacent)
+//   v       T     [B, K, S, E]   values
 //   v_scale f32   [B, K, S]      per-token value scales (s8; else [0])
 //   mask    pred  [B, S]         True where a slot may be attended
 //   out     f32   [B, K, G, E]
@@ -413,11 +412,12 @@ inline void block_logits_pairs(const uint32_t* __restrict__ qw,
   for (int g = 0; g < GN; ++g) bm[g] = hmax(vmax[g]);
 }
 
-// acc[g][e] += sum_j p[g][j] · v[j][e] over bfloat16 values in slot pairs
-// ([S/2, E, 2]: slots 2i and 2i + 1 of a channel adjacent), the
-// probabilities rounded to bfloat16 pairs (FlashAttention rounds P so for
-// its P·V product; the softmax's sum l is taken before the rounding, in
-// float32). n is even (blocks are whole tiles of 16 slots).
+// acc[g][e] += sum_j p[g][j] · v[j][e] over bfloat16 values [S, E], two
+// slots at a time: their rows interleaved in a register (vpermt2w) into
+// channel pairs for vdpbf16ps, the probabilities rounded to bfloat16 pairs
+// (FlashAttention rounds P so for its P·V product; the softmax's sum l is
+// taken before the rounding, in float32). n is even (blocks are whole
+// tiles of 16 slots).
 template <int GN>
 inline void block_values_pairs(const float* __restrict__ p,
                                const uint16_t* __restrict__ v, int64_t E,
@@ -445,10 +445,24 @@ inline void block_values_pairs(const float* __restrict__ p,
                        __builtin_shuffle(a, b, odd) << 16;
       std::memcpy(pw + g * kPairs + j / 2, &w, sizeof(w));
     }
-  const uint16_t* vb = v + b0 * E;  // the block's first pair row
+  const uint16_t* vb = v + b0 * E;
+#if defined(__AVX512BF16__)
+  // Element 2i of the pair vector: slot j's channel i; 2i + 1: slot j + 1's.
+  alignas(64) static constexpr uint16_t kInterleave[32] = {
+      0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+      8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i interleave = _mm512_load_si512(kInterleave);
+  auto pair_rows = [&](const uint16_t* r) {
+    const __m512i lo = _mm512_castsi256_si512(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r)));
+    const __m512i hi = _mm512_castsi256_si512(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + E)));
+    return (__m512bh)_mm512_permutex2var_epi16(lo, interleave, hi);
+  };
+#endif
   int64_t e0 = 0;
   for (; e0 + kLanes <= E; e0 += kLanes) {
-    const uint16_t* vr = vb + 2 * e0;
+    const uint16_t* vr = vb + e0;
 #if defined(__AVX512BF16__)
     __m512 a[GN], c[GN];
     for (int g = 0; g < GN; ++g) {
@@ -456,12 +470,10 @@ inline void block_values_pairs(const float* __restrict__ p,
       c[g] = _mm512_setzero_ps();
     }
     int64_t i = 0;
-    // Two pair rows at a time into separate sums (the latency).
+    // Two slot pairs at a time into separate sums (the latency).
     for (; i + 2 <= n / 2; i += 2, vr += 4 * E) {
-      prefetch_l2(vr + 2 * kBlock * E);
-      prefetch_l2(vr + 2 * kBlock * E + 2 * E);
-      const __m512bh v0 = (__m512bh)_mm512_loadu_si512(vr);
-      const __m512bh v1 = (__m512bh)_mm512_loadu_si512(vr + 2 * E);
+      for (int r = 0; r < 4; ++r) prefetch_l2(vr + 2 * kBlock * E + r * E);
+      const __m512bh v0 = pair_rows(vr), v1 = pair_rows(vr + 2 * E);
       for (int g = 0; g < GN; ++g) {
         a[g] = _mm512_dpbf16_ps(
             a[g], v0, (__m512bh)_mm512_set1_epi32(pw[g * kPairs + i]));
@@ -470,7 +482,7 @@ inline void block_values_pairs(const float* __restrict__ p,
       }
     }
     for (; i < n / 2; ++i, vr += 2 * E) {
-      const __m512bh v0 = (__m512bh)_mm512_loadu_si512(vr);
+      const __m512bh v0 = pair_rows(vr);
       for (int g = 0; g < GN; ++g)
         a[g] = _mm512_dpbf16_ps(
             a[g], v0, (__m512bh)_mm512_set1_epi32(pw[g * kPairs + i]));
@@ -478,25 +490,24 @@ inline void block_values_pairs(const float* __restrict__ p,
     for (int g = 0; g < GN; ++g)
       _mm512_storeu_ps(acc + g * E + e0, _mm512_add_ps(a[g], c[g]));
 #else
-    // The same sums in the same order as the vdpbf16ps loop above.
+    // The same sums in the same order as the vdpbf16ps loop above (each
+    // product exact in float32; the odd slot's first, as the instruction).
     f16v a[GN], c[GN];
     for (int g = 0; g < GN; ++g) {
       a[g] = load16(acc + g * E + e0);
       c[g] = f16v{};
     }
-    auto pair_row = [&](f16v* sums, int64_t i, const uint16_t* row) {
-      f16v even, odd;
-      unpair16(reinterpret_cast<const uint32_t*>(row), even, odd);
+    auto pair_row = [&](f16v* sums, int64_t i, const uint16_t* r) {
+      const f16v even_v = load16(r), odd_v = load16(r + E);
       for (int g = 0; g < GN; ++g) {
         const uint32_t w = pw[g * kPairs + i];
-        sums[g] += bf16_float(w >> 16) * odd;
-        sums[g] += bf16_float(w & 0xFFFFu) * even;
+        sums[g] += bf16_float(w >> 16) * odd_v;
+        sums[g] += bf16_float(w & 0xFFFFu) * even_v;
       }
     };
     int64_t i = 0;
     for (; i + 2 <= n / 2; i += 2, vr += 4 * E) {
-      prefetch_l2(vr + 2 * kBlock * E);
-      prefetch_l2(vr + 2 * kBlock * E + 2 * E);
+      for (int r = 0; r < 4; ++r) prefetch_l2(vr + 2 * kBlock * E + r * E);
       pair_row(a, i, vr);
       pair_row(c, i + 1, vr + 2 * E);
     }
@@ -508,9 +519,9 @@ inline void block_values_pairs(const float* __restrict__ p,
     for (int g = 0; g < GN; ++g)
       for (int64_t i = 0; i < n / 2; ++i) {
         const uint32_t w = pw[g * kPairs + i];
-        const uint16_t* pr = vb + 2 * (i * E + e0);
-        acc[g * E + e0] += bf16_float(w >> 16) * load1(pr[1]);
-        acc[g * E + e0] += bf16_float(w & 0xFFFFu) * load1(pr[0]);
+        const uint16_t* r = vb + 2 * i * E + e0;
+        acc[g * E + e0] += bf16_float(w >> 16) * load1(r[E]);
+        acc[g * E + e0] += bf16_float(w & 0xFFFFu) * load1(r[0]);
       }
 }
 
@@ -976,7 +987,8 @@ void gqa_tile(const float* qg, const QuadQuery& quads, const uint32_t* qw,
               const float* v_scale, const bool* mask, int64_t D, int64_t E,
               int64_t S, int64_t s0, int64_t s1, float* m, float* l,
               float* acc) {
-  // bfloat16 (bits, uint16): pair tiles of keys and slot pairs of values.
+  // bfloat16 (bits, uint16): keys in pair tiles, values paired two slots
+  // at a time in registers.
   constexpr bool pairs = std::is_same_v<T, uint16_t>;
   attend_tile<GN, T, true, pairs>(
       [&](int64_t b0, int64_t n, float* lg, float* bm) {
