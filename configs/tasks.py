@@ -59,7 +59,7 @@ T = 256 it misses most needles at depth 0). What each variant reaches: WORKSPACE
 not learn (validation answers flat at chance through 2,100 updates: the
 same section); gqa-recall lifts the answer bytes above chance (0.29 at
 6,000 updates) but answers no row whole; gqa-zoology stays at chance
-through 1,000 updates from scratch and at 0.25-0.29 answer bytes through
+through 6,000 updates from scratch and at 0.25-0.29 answer bytes through
 3,800 fine-tuned from the passkey model (the same section).
 """
 
