@@ -22,6 +22,7 @@ from absl.testing import parameterized
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import kvjax
 from kvjax import cache as cache_lib
@@ -101,25 +102,30 @@ def reference(q, k64, v64, mask_BS, scale, form="float32"):
   return np.einsum("bkgs,bkse->bkge", p, v64)
 
 
-def portable_build(call: str, **operands):
-  """`call` (an expression over `na`, `jnp` and the arrays `o[name]`)
-  evaluated in a subprocess whose kernel is built without VNNI and AVX-512
-  BF16 (the portable paths, $KVJAX_NATIVE_FLAGS) into a fresh directory."""
+def portable_build(calls: dict[str, str], **operands) -> dict[str, np.ndarray]:
+  """Each of `calls` (name: an expression over `na`, `jnp` and the arrays
+  `o[name]`) evaluated in one subprocess whose kernel is built without
+  VNNI and AVX-512 BF16 (the portable paths: $KVJAX_NATIVE_FLAGS, which
+  name a build of their own beside the default one)."""
   with tempfile.TemporaryDirectory() as tmp:
-    path, out = os.path.join(tmp, "ops.npz"), os.path.join(tmp, "out.npy")
+    path = os.path.join(tmp, "ops.npz")
     np.savez(path, **{k: np.asarray(v) for k, v in operands.items()})
     code = ("import numpy as np, jax.numpy as jnp\n"
             "from kvjax import native_attention as na\n"
-            f"o = np.load({path!r})\n"
-            f"np.save({out!r}, np.asarray({call}))\n")
-    env = dict(os.environ, JAX_PLATFORMS="cpu", KVJAX_NATIVE_DIR=tmp,
-               KVJAX_NATIVE_FLAGS="-mno-avx512vnni -mno-avxvnni -mno-avx512bf16")
+            f"o = np.load({path!r})\n")
+    for name, call in calls.items():
+      out = os.path.join(tmp, name + ".npy")
+      code += f"np.save({out!r}, np.asarray({call}))\n"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", KVJAX_NATIVE_FLAGS=(
+        "-mno-avx512vnni -mno-avxvnni -mno-avx512bf16"))
     root = os.path.join(os.path.dirname(__file__), "..")
     run = subprocess.run([sys.executable, "-c", code], cwd=root, env=env,
                          capture_output=True, text=True, check=False)
     if run.returncode:
       raise AssertionError(run.stderr[-3000:])
-    return np.load(out)
+    return {name: np.load(os.path.join(tmp, name + ".npy"))
+            for name in calls}
+
 
 
 class KernelTest(parameterized.TestCase):
@@ -182,44 +188,48 @@ class KernelTest(parameterized.TestCase):
     self.assertGreater(np.abs(out - exact).max(), 1e-6)  # it does round
     np.testing.assert_allclose(out, exact, atol=2e-2)
 
-  @cases.product(form=("int8", "bfloat16"))
-  def test_portable_path_equals_vnni_and_bf16(self, form):
+  @pytest.mark.slow  # builds the kernel a second time (~30 s)
+  def test_portable_paths_give_the_same_bits(self):
     # Built without VNNI and AVX-512 BF16 (the portable paths: the groups'
     # codes or bits unpacked, float multiply-adds of the same exact
-    # products in the same order) the kernel gives the same bits. E = 40:
-    # the value channels past the last 16 too.
+    # products in the same order) the kernel gives the same bits for int8
+    # keys, bfloat16 keys and values, and MLA's int8 latents. E = 40: value
+    # channels past the last 16; C = 72, R = 12: a full and a partial
+    # 64-channel chunk, T = 301: slots off the 16 / G slot groups.
     B, K, G, D, E, S = 2, 2, 8, 32, 40, 304
-    q, k, v, ks, vs, _, _ = operands(form, B, K, G, D, E, S, seed=5)
-    mask = np.random.default_rng(1).random((B, S)) < 0.8
-    here = np.asarray(native_attention.decode_attend(
-        q, k, v, jnp.asarray(mask), 0.25, ks, vs))
-    scales = dict(ks=ks, vs=vs) if form == "int8" else {}
-    portable = portable_build(
-        "na.decode_attend(o['q'], jnp.asarray(o['k']), jnp.asarray(o['v']),"
-        " jnp.asarray(o['mask']), 0.25" +
-        (", o['ks'], o['vs'])" if scales else ")"),
-        q=q, k=k, v=v, mask=mask, **scales)
-    np.testing.assert_array_equal(portable, here)
-
-  def test_int8_latents_portable_path_equals_vnni(self):
-    # MLA's int8 latents: VNNI dots with masked loads (C = 72: one full and
-    # one partial 64-channel chunk; R = 12) against the portable float sums
-    # of the same integers, slot counts off the 16 / G slot groups.
-    B, N, C, R, S = 2, 6, 72, 12, 301
-    rng = np.random.default_rng(3)
+    rng = np.random.default_rng(1)
+    mask = rng.random((B, S)) < 0.8
+    ops, calls, here = dict(mask=mask), {}, {}
+    for form in ("int8", "bfloat16"):
+      q, k, v, ks, vs, _, _ = operands(form, B, K, G, D, E, S, seed=5)
+      ops.update({f"q_{form}": q, f"k_{form}": k, f"v_{form}": v})
+      scales = (ks, vs) if form == "int8" else ()
+      if scales:
+        ops.update(ks=ks, vs=vs)
+      calls[form] = (
+          f"na.decode_attend(o['q_{form}'], jnp.asarray(o['k_{form}']), "
+          f"jnp.asarray(o['v_{form}']), jnp.asarray(o['mask']), 0.25"
+          + (", o['ks'], o['vs'])" if scales else ")"))
+      here[form] = native_attention.decode_attend(
+          q, k, v, jnp.asarray(mask), 0.25, *scales)
+    N, C, R, T = 6, 72, 12, 301
     q_lat, q_rope = (rng.standard_normal((B, N, W)).astype(np.float32)
                      for W in (C, R))
     (c, cs), (r, rs) = (
-        quant.quantize(jnp.asarray(rng.standard_normal((B, S, W)),
+        quant.quantize(jnp.asarray(rng.standard_normal((B, T, W)),
                                    jnp.float32), jnp.int8) for W in (C, R))
-    mask = rng.random((B, S)) < 0.8
-    here = np.asarray(native_attention.latent_attend(
-        q_lat, q_rope, c, r, jnp.asarray(mask), 0.2, cs, rs))
-    portable = portable_build(
-        "na.latent_attend(o['q'], o['qr'], jnp.asarray(o['c']), "
-        "jnp.asarray(o['r']), jnp.asarray(o['mask']), 0.2, o['cs'], o['rs'])",
-        q=q_lat, qr=q_rope, c=c, r=r, cs=cs, rs=rs, mask=mask)
-    np.testing.assert_array_equal(portable, here)
+    lmask = rng.random((B, T)) < 0.8
+    ops.update(ql=q_lat, qr=q_rope, c=c, r=r, cs=cs, rs=rs, lmask=lmask)
+    calls["latent"] = (
+        "na.latent_attend(o['ql'], o['qr'], jnp.asarray(o['c']), "
+        "jnp.asarray(o['r']), jnp.asarray(o['lmask']), 0.2, o['cs'], "
+        "o['rs'])")
+    here["latent"] = native_attention.latent_attend(
+        q_lat, q_rope, c, r, jnp.asarray(lmask), 0.2, cs, rs)
+    portable = portable_build(calls, **ops)
+    for name, out in here.items():
+      np.testing.assert_array_equal(portable[name], np.asarray(out),
+                                    err_msg=name)
 
   def test_masked_slots_contribute_nothing(self):
     # Huge values behind the mask change nothing.
