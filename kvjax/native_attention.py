@@ -76,19 +76,10 @@ TARGET = "kvjax_decode_attention"
 LATENT_TARGET = "kvjax_latent_attention"
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared",
          "-fPIC", "-w")
-
-
-def _flags() -> tuple[str, ...]:
-  """The build's flags: `FLAGS` and any in $KVJAX_NATIVE_FLAGS (e.g.
-  `-mno-avx512vnni`, to build the kernel's portable paths on a host that
-  has the instructions)."""
-  return FLAGS + tuple(os.environ.get("KVJAX_NATIVE_FLAGS", "").split())
 KEY_DTYPES = (jnp.dtype(jnp.float32), quant.BF16_BITS, jnp.dtype(jnp.int8))
 LATENT_DTYPES = (jnp.dtype(jnp.float32), quant.BF16_BITS,  # MLA's latents
                  jnp.dtype(jnp.int8))
 TILE = 16  # slots per key tile (the kernel's register width)
-
-
 QUAD = 4  # int8 channels of a slot kept adjacent (one VNNI product)
 PAIR = 2  # bfloat16 channels of a slot kept adjacent (one vdpbf16ps)
 
@@ -130,6 +121,13 @@ def untile_keys(k_tiles):
   B, K, n, D, _ = k_tiles.shape
   return jnp.swapaxes(grouped_tiles(k_tiles), 3, 4).reshape(B, K, n * TILE,
                                                             D)
+
+
+def _flags() -> tuple[str, ...]:
+  """The build's flags: `FLAGS` and any in $KVJAX_NATIVE_FLAGS (e.g.
+  `-mno-avx512vnni`, to build the kernel's portable paths on a host that
+  has the instructions)."""
+  return FLAGS + tuple(os.environ.get("KVJAX_NATIVE_FLAGS", "").split())
 
 
 def _cpu_id() -> str:
@@ -280,11 +278,11 @@ def decode_attend(q_BKGD, k_tiles, v, mask_BS, scale: float,
   why = supports(k_tiles.dtype, v.dtype)
   if why:
     raise ValueError(f"decode_attend: {why}")
-  if D % group_width(k_tiles.dtype):
+  w = group_width(k_tiles.dtype)
+  if D % w:
     raise ValueError(f"decode_attend: {k_tiles.dtype} keys of D={D} "
-                     f"channels, not a multiple of "
-                     f"{group_width(k_tiles.dtype)} (the kernel's channel "
-                     "groups)")
+                     f"channels, not a multiple of {w} (the kernel's "
+                     "channel groups)")
   _check_scales("decode_attend", k_tiles.dtype == jnp.int8, k_scale_BKS,
                 v_scale_BKS)
   E = v.shape[3]

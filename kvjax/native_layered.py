@@ -28,8 +28,8 @@ layout): float16 caches (no kernel conversion), KIVI's per-channel keys,
 eviction or `cache` positions (the layered view's limits), segments
 whose slots are not a multiple of 16, int8 / int4 codes or bfloat16 bits
 of a head width that is not a multiple of 4 / 2 (the key channel groups),
-per-head masks, and hosts
-where the kernel did not build (`native_attention.available`).
+per-head masks, and hosts where the kernel did not build
+(`native_attention.available`).
 Attention probabilities are not formed, so a policy that scores slots
 cannot read it (none runs on a layered view: eviction is 'none').
 """
@@ -112,33 +112,25 @@ def into_cache(cache: cache_lib.KVCache, view: NativeKV) -> cache_lib.KVCache:
       cache, view, tuple(map(native_attention.untile_keys, view.k)), view.v)
 
 
-def _put_split(view, s_B, new, lanes: int):
-  """view [B, K, S/lanes, X, lanes, ...] with slot s_B[b] (index s // lanes
-  of axis 2, s % lanes of axis 4) set to new[b] ([K, X, ...]) for every
-  sequence (s = S: unchanged); in place, as `layered.put_slot`: a scatter
-  from batch 2, an update slice at batch 1."""
-  B, n = view.shape[0], view.shape[2]
-  if B > 1:
-    index = (jnp.arange(B), slice(None), s_B // lanes, slice(None),
-             s_B % lanes)
-    return view.at[index].set(new, mode="drop")
-  s = jnp.minimum(s_B[0], n * lanes - 1)
-  start = (0, 0, s // lanes, 0, s % lanes) + (0,) * (view.ndim - 5)
-  upd = jnp.expand_dims(new, (2, 4))
-  old = jax.lax.dynamic_slice(view, start, upd.shape)
-  return jax.lax.dynamic_update_slice(
-      view, jnp.where(s_B[0] < n * lanes, upd, old), start)
-
-
 def _put_key(tiles, s_B, new_BKH):
   """tiles [B, K, S/16, H, 16] with slot s_B[b] (tile s // 16, lane s % 16)
-  set to new_BKH[b], through the tiles' channel groups
-  (`native_attention.grouped_tiles`)."""
-  B, K, _, H, _ = tiles.shape
+  set to new_BKH[b] for every sequence (s = S: unchanged), written through
+  the tiles' channel groups (`native_attention.grouped_tiles`: [B, K, S/16,
+  H/w, 16, w]); in place, as `layered.put_slot`: a scatter from batch 2,
+  an update slice at batch 1."""
+  B, K, n, H, L = tiles.shape
   w = native_attention.group_width(tiles.dtype)
   view = native_attention.grouped_tiles(tiles)
-  return _put_split(view, s_B, new_BKH.reshape(B, K, H // w, w),
-                    native_attention.TILE).reshape(tiles.shape)
+  new = new_BKH.reshape(B, K, H // w, w)
+  if B > 1:
+    return view.at[jnp.arange(B), :, s_B // L, :, s_B % L].set(
+        new, mode="drop").reshape(tiles.shape)
+  s = jnp.minimum(s_B[0], n * L - 1)
+  start = (0, 0, s // L, 0, s % L, 0)
+  upd = new[:, :, None, :, None]
+  old = jax.lax.dynamic_slice(view, start, upd.shape)
+  return jax.lax.dynamic_update_slice(
+      view, jnp.where(s_B[0] < n * L, upd, old), start).reshape(tiles.shape)
 
 
 def write(view: NativeKV, layer: int, slots_BT, k_BTKH, v_BTKH) -> NativeKV:

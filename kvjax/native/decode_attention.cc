@@ -1056,9 +1056,9 @@ void attend_range(const float* q, const float* qb, const T* k,
   const RoundedRows ra = codes ? RoundedRows(qs.data(), G, D) : RoundedRows();
   const RoundedRows rb =
       codes && qb != nullptr ? RoundedRows(qbs.data(), G, R) : RoundedRows();
-  std::vector<int32_t> qw(codes ? G * D / 4 : 0);  // GQA: the quads as words
-  if (codes && qb == nullptr)
-    std::memcpy(qw.data(), ra.codes.data(), qw.size() * sizeof(int32_t));
+  // GQA's quads as 32-bit words (one broadcast operand of vpdpbusd each).
+  std::vector<int32_t> qw(codes && qb == nullptr ? G * D / 4 : 0);
+  std::memcpy(qw.data(), ra.codes.data(), qw.size() * sizeof(int32_t));
   // bfloat16 keys (GQA's pair tiles): the scaled query rounded to bfloat16.
   const bool pairs = std::is_same_v<T, uint16_t> && qb == nullptr;
   const PairRows rp = pairs ? PairRows(qs.data(), G, D) : PairRows();
