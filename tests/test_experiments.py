@@ -2,8 +2,9 @@
 
 The scripts are thin absl mains over the library; a renamed library symbol
 or a missing import would otherwise surface only when someone runs a
-benchmark. Each script runs `--helpshort` in its own process (absl exits
-with status 1 after printing help; a failed import prints a traceback), and
+benchmark. Each script runs `--helpshort` in its own process, forked from
+one that imported jax once (absl exits with status 1 after printing help; a
+failed import prints a traceback), and
 every script runs through `kvjax.cli.run` (one-line errors, --show_config,
 quiet logs: tests/test_cli.py). The peer benchmark also runs end to end on
 the tiny preset.
@@ -37,17 +38,25 @@ CLI_SCRIPTS = sorted(
         "policy_eval", "sink_curves", "train", "train_speed"))
 
 
+def _run_scripts(runs):
+  """[(script, args)] -> [{returncode, stdout, stderr}]: each script run as
+  `python script args` would, forked from one process that imported jax
+  once (tests/forked_scripts.py)."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "tests", "forked_scripts.py")],
+      input=json.dumps(runs), cwd=ROOT, env=env, capture_output=True,
+      text=True, timeout=600, check=True)
+  return json.loads(proc.stdout)
+
+
 class ExperimentsImportTest(absltest.TestCase):
 
   def test_every_script_imports_and_lists_its_flags(self):
     self.assertGreaterEqual(len(SCRIPTS), 8)
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    procs = {path: subprocess.Popen(
-        [sys.executable, path, "--helpshort"], cwd=ROOT, env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for path in SCRIPTS}
-    for path, proc in procs.items():
-      out, err = proc.communicate(timeout=300)
+    for path, proc in zip(SCRIPTS, _run_scripts(
+        [(path, ["--helpshort"]) for path in SCRIPTS])):
+      out, err = proc["stdout"], proc["stderr"]
       name = os.path.basename(path)
       self.assertNotIn("Traceback", out + err, f"{name}:\n{err[-3000:]}")
       self.assertIn(name, out + err, f"{name} printed no flag help")
@@ -55,20 +64,33 @@ class ExperimentsImportTest(absltest.TestCase):
         self.assertIn("--[no]show_config", out, name)
 
   def test_every_script_refuses_a_stray_argument_in_one_line(self):
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    procs = {path: subprocess.Popen(
-        [sys.executable, path, "stray"], cwd=ROOT, env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for path in CLI_SCRIPTS}
-    for path, proc in procs.items():
-      out, err = proc.communicate(timeout=300)
+    for path, proc in zip(CLI_SCRIPTS, _run_scripts(
+        [(path, ["stray"]) for path in CLI_SCRIPTS])):
+      out, err = proc["stdout"], proc["stderr"]
       name = os.path.basename(path)
-      self.assertEqual(proc.returncode, 2, f"{name}:\n{err[-3000:]}")
+      self.assertEqual(proc["returncode"], 2, f"{name}:\n{err[-3000:]}")
       self.assertEqual(out, "", name)
       self.assertLen(err.splitlines(), 1, f"{name}:\n{err[-3000:]}")
       # A required flag may be named first; either way, one line.
       self.assertRegex(err, r"^error: (unexpected arguments 'stray'|"
                        r"--\w+ is required)", name)
+
+  def test_the_forked_runner_reports_what_a_fresh_interpreter_does(self):
+    # The runner's exit status, streams and tracebacks are those of
+    # `python script args`: checked on one script against a real process.
+    path = os.path.join(ROOT, "experiments", "generate.py")
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    argss = (["stray"], ["--helpshort"], ["--config=configs/nope.py"])
+    fresh = [subprocess.Popen([sys.executable, path, *args], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for args in argss]
+    forked = _run_scripts([(path, args) for args in argss])
+    for args, proc, run in zip(argss, fresh, forked):
+      out, err = proc.communicate(timeout=300)
+      self.assertEqual(run["returncode"], proc.returncode, args)
+      self.assertEqual(run["stdout"], out, args)
+      self.assertEqual(run["stderr"].splitlines()[:1], err.splitlines()[:1],
+                       args)
 
 
 @pytest.mark.slow  # subprocesses that import torch and transformers
