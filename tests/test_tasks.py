@@ -118,7 +118,7 @@ class GeneratorTest(parameterized.TestCase):
         elif isinstance(spec, tasks.NiahSpec):
           self.assertRegex(text, rf"^ The magic number for \w+ is {value}\.$")
         else:
-          self.assertRegex(text, rf"^ [a-z]+={value}$")
+          self.assertRegex(text, rf"^ [a-z]+{spec.separator}{value}$")
       gold_values = [data.decode(ex.tokens[va:vb])
                      for (va, vb), g in zip(ex.values, ex.gold) if g]
       answer_parts = data.decode(ex.answer).split(tasks.ANSWER_SEPARATOR)
@@ -203,6 +203,31 @@ class GeneratorTest(parameterized.TestCase):
     self.assertTrue(supervised.isdigit())
     keys = re.findall(r" ([a-z]+)=", data.decode(ex.tokens[:ex.context[1]]))
     self.assertLen(set(keys), len(keys))
+
+  def test_mqar_adjacent_puts_each_value_after_its_key(self):
+    # Zoology's order: ' k1', the value the token right after its key, in
+    # the context and in the queries.
+    spec = tasks.get_task("mqar1_adjacent")
+    self.assertEqual(spec.pair_length, 3)
+    for seed in range(3):
+      ex = tasks.generate("mqar1_adjacent", 64, 0.5, seed)
+      text = data.decode(ex.tokens)
+      self.assertNotIn("=", text)
+      context, queries = text.split("\n")
+      pairs = re.findall(r" ([a-z])(\d)", context)
+      self.assertLen(pairs, spec.num_pairs(64))
+      self.assertEqual(context.strip(), " ".join(k + v for k, v in pairs))
+      lookup = dict(pairs)
+      *answered, last = queries.split(" ")[1:]
+      self.assertEqual([q[1] for q in answered],
+                       [lookup[q[0]] for q in answered])
+      self.assertEqual(data.decode(ex.answer), lookup[last])
+      np.testing.assert_array_equal(
+          tasks.reference_answer("mqar1_adjacent", ex.tokens), ex.answer)
+      self.assertEqual(len(ex.tokens), 64)
+      self.assertEqual(ex.prompt_targets.sum(), spec.num_queries - 1)
+    with self.assertRaisesRegex(ValueError, "separator"):
+      tasks.MqarSpec(separator=":")
 
   def test_mqar_pairs_capped_at_the_keys(self):
     # One-letter keys: 26 pairs at most however long the prompt; the rest

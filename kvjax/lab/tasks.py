@@ -30,6 +30,8 @@ Formats (one token per byte, `kvjax.data`; <BOS> is the BOS token):
               -> "184"
   mqar1       <BOS>{spaces} k=1 a=9 ... w=3\n a=9 w=3 k=  -> "1" (Zoology's
               one-token keys and values; 26 pairs at most)
+  mqar1_adjacent  <BOS>{spaces} k1 a9 ... w3\n a9 w3 k  -> "1" (and
+              Zoology's order: each value right after its key)
 
 The noise filler is Mohtashami & Jaggi's (" The grass is green. The sky is
 blue. The sun is yellow. Here we go. There and back again."), which RULER's
@@ -189,11 +191,15 @@ class MqarSpec:
   starts the queries: `num_queries - 1` answered ones (' {key}={value}',
   the Zoology setting, a training signal at every answer) and a last one
   (' {key}=') whose value is the answer. Queried keys are distinct.
+  `separator` is the '=' between key and value; '' puts the value right
+  after its key (' {key}{value}', Zoology's adjacent key and value tokens:
+  one induction step finds it, where '=' puts it two tokens after the key).
   """
 
   key_length: int = 3
   value_digits: int = 3
   num_queries: int = 4
+  separator: str = "="
 
   def __post_init__(self):
     if not 1 <= self.key_length <= 6:
@@ -203,6 +209,9 @@ class MqarSpec:
                        f"{self.value_digits}")
     if self.num_queries < 1:
       raise ValueError(f"num_queries must be >= 1, got {self.num_queries}")
+    if self.separator not in ("=", ""):
+      raise ValueError(f"separator must be '=' or '', got "
+                       f"{self.separator!r}")
 
   @property
   def answer_length(self) -> int:
@@ -210,7 +219,7 @@ class MqarSpec:
 
   @property
   def pair_length(self) -> int:
-    return self.key_length + self.value_digits + 2  # ' ', '='
+    return self.key_length + self.value_digits + 1 + len(self.separator)
 
   @property
   def num_keys(self) -> int:
@@ -226,7 +235,7 @@ class MqarSpec:
   def _fixed(self) -> int:
     # BOS, the newline, the answered queries, the last query ' {key}='.
     return (2 + (self.num_queries - 1) * self.pair_length +
-            self.key_length + 2)
+            self.key_length + 1 + len(self.separator))
 
 
 TaskSpec = PasskeySpec | NiahSpec | MqarSpec
@@ -255,6 +264,10 @@ TASKS: dict[str, TaskSpec] = {
     # three-byte key; at most 26 pairs a prompt, spaces before them.
     "mqar1": MqarSpec(key_length=1, value_digits=1),
     "mqar1_dense": MqarSpec(key_length=1, value_digits=1, num_queries=12),
+    # Zoology's token order too: the value right after its key (' k1').
+    "mqar1_adjacent": MqarSpec(key_length=1, value_digits=1, separator=""),
+    "mqar1_adjacent_dense": MqarSpec(key_length=1, value_digits=1,
+                                     num_queries=12, separator=""),
 }
 
 
@@ -707,7 +720,7 @@ def _mqar(name, spec, length, depth, seed, rng):
   needles, vals = [], []
   pos = 1 + pad
   for k, v in zip(keys, values):
-    s = f" {k}={v}"
+    s = f" {k}{spec.separator}{v}"
     needles.append((pos, pos + len(s)))
     vals.append((pos + len(s) - len(v), pos + len(s)))
     parts.append(_bytes(s))
@@ -717,11 +730,11 @@ def _mqar(name, spec, length, depth, seed, rng):
   pos += 1
   supervised = []
   for i in asked:
-    s = f" {keys[i]}={values[i]}"
+    s = f" {keys[i]}{spec.separator}{values[i]}"
     supervised.append((pos + len(s) - spec.value_digits, pos + len(s)))
     parts.append(_bytes(s))
     pos += len(s)
-  parts.append(_bytes(f" {keys[target]}="))
+  parts.append(_bytes(f" {keys[target]}{spec.separator}"))
   tokens = np.concatenate(parts)
   prompt_targets = np.zeros(tokens.shape, bool)
   for a, b in supervised:
@@ -794,10 +807,10 @@ def reference_answer(task: str | TaskSpec, tokens) -> np.ndarray:
     return _bytes(m.group(1))
   if isinstance(spec, MqarSpec):
     context, _, queries = text.rpartition("\n")
-    m = re.search(r" ([a-z]+)=$", queries)
+    m = re.search(rf" ([a-z]+){spec.separator}$", queries)
     if not m:
       raise ValueError("no final query in the prompt")
-    found = re.findall(rf" {m.group(1)}=(\d+)", context)
+    found = re.findall(rf" {m.group(1)}{spec.separator}(\d+)", context)
     if len(found) != 1:
       raise ValueError(f"key {m.group(1)!r} appears {len(found)} times")
     return _bytes(found[0])
