@@ -42,11 +42,12 @@ def _run_one(path: str, args: list[str]) -> dict:
       code = 0
       try:
         runpy.run_path(path, run_name="__main__")
-      except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None
-                                                      else 1)
-        if e.code is not None and not isinstance(e.code, int):
+      except SystemExit as e:  # as the interpreter exits on it
+        if e.code is None or isinstance(e.code, int):
+          code = e.code or 0
+        else:
           print(e.code, file=sys.stderr)
+          code = 1
       except BaseException:  # pylint: disable=broad-except
         traceback.print_exc()
         code = 1

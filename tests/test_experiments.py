@@ -26,6 +26,7 @@ from kvjax.tolerance import assert_close, tolerance
 from configs import model as model_presets
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
+ENV = dict(os.environ, JAX_PLATFORMS="cpu")  # every script's process
 SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "experiments", "*.py")))
 # The scripts that run through kvjax.cli.run (a new script joins by calling
 # it: then it gives one-line errors, --show_config and quiet logs too).
@@ -42,10 +43,9 @@ def _run_scripts(runs):
   """[(script, args)] -> [{returncode, stdout, stderr}]: each script run as
   `python script args` would, forked from one process that imported jax
   once (tests/forked_scripts.py)."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
   proc = subprocess.run(
       [sys.executable, os.path.join(ROOT, "tests", "forked_scripts.py")],
-      input=json.dumps(runs), cwd=ROOT, env=env, capture_output=True,
+      input=json.dumps(runs), cwd=ROOT, env=ENV, capture_output=True,
       text=True, timeout=600, check=True)
   return json.loads(proc.stdout)
 
@@ -79,9 +79,8 @@ class ExperimentsImportTest(absltest.TestCase):
     # The runner's exit status, streams and tracebacks are those of
     # `python script args`: checked on one script against a real process.
     path = os.path.join(ROOT, "experiments", "generate.py")
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
     argss = (["stray"], ["--helpshort"], ["--config=configs/nope.py"])
-    fresh = [subprocess.Popen([sys.executable, path, *args], cwd=ROOT, env=env,
+    fresh = [subprocess.Popen([sys.executable, path, *args], cwd=ROOT, env=ENV,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for args in argss]
     forked = _run_scripts([(path, args) for args in argss])
@@ -99,11 +98,10 @@ class PeerBenchmarkTest(absltest.TestCase):
   transformers come with the test extra)."""
 
   def _run(self, *flags):
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
     return subprocess.run(
         [sys.executable, os.path.join(ROOT, "experiments",
                                       "peer_benchmark.py"), *flags],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
 
   def test_tiny_run_writes_ratios_and_their_spread(self):
     with tempfile.TemporaryDirectory() as tmp:
@@ -151,7 +149,6 @@ class PeerBenchmarkTest(absltest.TestCase):
 class PrefillScalingTest(absltest.TestCase):
 
   def test_tiny_run_writes_rates_and_memory(self):
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
     with tempfile.TemporaryDirectory() as tmp:
       proc = subprocess.run(
           [sys.executable, os.path.join(ROOT, "experiments",
@@ -160,7 +157,7 @@ class PrefillScalingTest(absltest.TestCase):
            "--memory_lengths=64,4096", "--path_lengths=64", "--repeats=1",
            "--chunk=1024", "--chunk_memory_lengths=4096,8192",
            f"--workdir={tmp}"],
-          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
       self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
       with open(os.path.join(tmp, "prefill_scaling.json")) as f:
         out = json.load(f)
@@ -200,7 +197,6 @@ class PrefillScalingTest(absltest.TestCase):
 class CacheLayoutTest(absltest.TestCase):
 
   def test_tiny_mla_run_times_both_latent_layouts(self):
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
     with tempfile.TemporaryDirectory() as tmp:
       proc = subprocess.run(
           [sys.executable, os.path.join(ROOT, "experiments",
@@ -208,7 +204,7 @@ class CacheLayoutTest(absltest.TestCase):
            "--preset=mla-tiny", "--batch=2", "--contexts=64",
            "--kv_dtypes=float32,int8", "--steps=2", "--repeats=1",
            f"--workdir={tmp}"],
-          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
       self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
       with open(os.path.join(tmp, "cache_layout.json")) as f:
         out = json.load(f)
@@ -234,7 +230,6 @@ class AttentionMapTest(absltest.TestCase):
   probe's per-query-head probabilities of the latent attention)."""
 
   def test_tiny_random_run_writes_json_and_pngs(self):
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
     with tempfile.TemporaryDirectory() as tmp:
       proc = subprocess.run(
           [sys.executable, os.path.join(ROOT, "experiments",
@@ -243,7 +238,7 @@ class AttentionMapTest(absltest.TestCase):
            "--text=It is a truth universally acknowledged, that a single "
            "man in possession of a good fortune", "--length=32",
            "--windows=2", "--sink_k=1,3", f"--workdir={tmp}"],
-          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
       self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
       with open(os.path.join(tmp, "attention_map.json")) as f:
         out = json.load(f)

@@ -218,8 +218,13 @@ class MqarSpec:
     return self.value_digits
 
   @property
+  def query_length(self) -> int:
+    """Bytes of ' {key}{separator}', a pair without its value."""
+    return 1 + self.key_length + len(self.separator)
+
+  @property
   def pair_length(self) -> int:
-    return self.key_length + self.value_digits + 1 + len(self.separator)
+    return self.query_length + self.value_digits
 
   @property
   def num_keys(self) -> int:
@@ -234,8 +239,7 @@ class MqarSpec:
   @property
   def _fixed(self) -> int:
     # BOS, the newline, the answered queries, the last query ' {key}='.
-    return (2 + (self.num_queries - 1) * self.pair_length +
-            self.key_length + 1 + len(self.separator))
+    return 2 + (self.num_queries - 1) * self.pair_length + self.query_length
 
 
 TaskSpec = PasskeySpec | NiahSpec | MqarSpec
