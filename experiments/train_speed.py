@@ -18,6 +18,11 @@ probe, against the probe of the precision the side's products run in
 (`TrainConfig.matmul_dtype`; a checkout without the field: float32), and
 against the float32 probe for both.
 
+Each subprocess sets up the host allocator as `kvjax.train.run` does
+before its first step where the checkout has one (`kvjax.allocator`: XLA's
+buffers kept mapped between steps); a base without it runs glibc's
+defaults, as its training runs did.
+
 Both commits start from the same seed and batch, so their losses after
 the timed steps agree to the float reassociation of a changed program when
 both run float32 products; with bfloat16 operands on one side they differ
@@ -68,6 +73,11 @@ from kvjax import configs as cfg_lib
 from kvjax import train
 from configs import train as presets
 variant, repeats, groups = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+try:  # what kvjax.train.run does first, where the checkout has it
+  from kvjax import allocator
+  allocator.keep_host_memory()
+except ImportError:
+  pass
 cfg = presets.get_config(variant)
 config = cfg_lib.model_config(cfg.model)
 tc = train.TrainConfig.from_dict(cfg.train.to_dict())

@@ -45,6 +45,7 @@ import numpy as np
 import optax
 
 import kvjax
+from kvjax import allocator
 from kvjax import data
 from kvjax import mixed_precision
 from kvjax import orbax_checkpoint
@@ -556,6 +557,9 @@ def run(model_config, config: TrainConfig,
     kvjax.data.CorpusNotFoundError: the corpus is not installed (the message
       names the install command).
   """
+  # Before anything starts the JAX backend: XLA's buffers stay mapped
+  # between steps (kvjax/allocator.py; False where the backend already runs).
+  allocator.keep_host_memory()
   orbax_checkpoint.quiet_orbax_logs()
   streams = data.austen_streams(config.data_dir)
   if model_config.vocab_size != data.VOCAB_SIZE:

@@ -14,6 +14,11 @@ import pytest
 jax.config.update("jax_numpy_rank_promotion", "raise")
 # Parity checks compare float32 logits: no TF32/bf16-rounded matmuls.
 jax.config.update("jax_default_matmul_precision", "highest")
+# glibc's default allocator for the suite and the subprocesses it launches:
+# the training loops' one-arena setting (kvjax/allocator.py) makes XLA's
+# compilation ~20 % slower, and the suite is compile-bound.
+# tests/test_allocator.py sets it per subprocess.
+os.environ.setdefault("KVJAX_HOST_MEMORY", "system")
 
 
 # ---- the persistent compilation cache --------------------------------------

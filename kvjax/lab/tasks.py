@@ -1312,6 +1312,7 @@ def train_task_model(model_config, train_config, mixture: Mixture,
   import jax  # pylint: disable=g-import-not-at-top
   import kvjax  # pylint: disable=g-import-not-at-top
   from kvjax import orbax_checkpoint  # pylint: disable=g-import-not-at-top
+  from kvjax import allocator  # pylint: disable=g-import-not-at-top
   train = _train_lib()
   if model_config.vocab_size != data.VOCAB_SIZE:
     raise ValueError(f"model vocab_size={model_config.vocab_size}, byte "
@@ -1322,6 +1323,8 @@ def train_task_model(model_config, train_config, mixture: Mixture,
         f"train seq_len/batch_size ({train_config.seq_len}, "
         f"{train_config.batch_size}) differ from the mixture's "
         f"({mixture.seq_len}, {mixture.batch_size})")
+  # Before anything starts the JAX backend (kvjax/allocator.py).
+  allocator.keep_host_memory()
   orbax_checkpoint.quiet_orbax_logs()
   # 'auto' resolved once, here: config.json names the precision taken.
   train_config = dataclasses.replace(
