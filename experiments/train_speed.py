@@ -29,6 +29,10 @@ both run float32 products; with bfloat16 operands on one side they differ
 by that rounding (printed; the validation bits/byte a full run reaches is
 the quality check, WORKSPACE.md "Training speed").
 
+--host_memory=keep --host_memory=system times the head with the
+training loops' allocator settings and with glibc's defaults in the same
+rounds: what keeping XLA's buffers mapped buys, as a same-run ratio.
+
 --microbatches=1,4 times the head once per row-group count
 (`TrainConfig.microbatches`) in the same alternating rounds, so what the
 groups buy is a same-run ratio too (default: the preset's count alone).
@@ -63,6 +67,10 @@ _WORKDIR = flags.DEFINE_string("workdir", "workdir/train_speed",
 _MICROBATCHES = flags.DEFINE_list(
     "microbatches", None, "Row-group counts to time the head at (default: "
     "the preset's); the base runs its own step.")
+_HOST_MEMORY = flags.DEFINE_multi_enum(
+    "host_memory", ["keep"], ["keep", "system"], "Host allocator settings "
+    "to time the head with (`kvjax.allocator`: 'keep' as the training loops "
+    "run, 'system' glibc's defaults); repeat the flag for both.")
 
 # Run inside each checkout; uses only API both sides share.
 _PROBE = r"""
@@ -73,6 +81,8 @@ from kvjax import configs as cfg_lib
 from kvjax import train
 from configs import train as presets
 variant, repeats, groups = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+import os
+os.environ["KVJAX_HOST_MEMORY"] = sys.argv[4]
 try:  # what kvjax.train.run does first, where the checkout has it
   from kvjax import allocator
   allocator.keep_host_memory()
@@ -106,12 +116,14 @@ for _ in range(repeats):
   ts.append(time.perf_counter() - t0)
 print(json.dumps(dict(median_s=statistics.median(ts), times=ts,
                       loss=float(m["loss"]), matmul_dtype=dtype or "float32",
-                      microbatches=groups)))
+                      microbatches=groups, host_memory=sys.argv[4])))
 """
 
 
-def _probe(tree: str, variant: str, groups: int = 1) -> dict:
-  return bm.run_probe(tree, _PROBE, variant, _REPEATS.value, groups)
+def _probe(tree: str, variant: str, groups: int = 1,
+           host_memory: str = "keep") -> dict:
+  return bm.run_probe(tree, _PROBE, variant, _REPEATS.value, groups,
+                      host_memory)
 
 
 def head_groups(variant: str) -> list[int]:
@@ -145,25 +157,26 @@ def main(argv):
   with bm.commit_checkout(head, _BASE.value) as base:
     for variant in _VARIANTS.value:
       flops, tokens = step_flops(variant)
-      sides = [("base", base, 1)] + [(f"head_mb{g}", head, g)
-                                     for g in groups_of[variant]]
-      t = {side: [] for side, _, _ in sides}
+      sides = [("base", base, 1, "keep")] + [
+          (f"head_mb{g}_{mode}", head, g, mode) for g in groups_of[variant]
+          for mode in _HOST_MEMORY.value]
+      t = {side: [] for side, *_ in sides}
       loss, dtype = {}, {}
       peaks = {"float32": [], "bfloat16": []}
       for _ in range(_ROUNDS.value):
         for d in peaks:
           peaks[d].append(bm.matmul_peak(dtype=d)["flops_per_s"])
-        for side, tree, groups in sides:
-          r = _probe(tree, variant, groups)
+        for side, tree, groups, mode in sides:
+          r = _probe(tree, variant, groups, mode)
           t[side].append(r["median_s"])
           loss[side], dtype[side] = r["loss"], r.get("matmul_dtype",
                                                      "float32")
       peak_of = {d: statistics.median(v) for d, v in peaks.items()}
       peak = peak_of["float32"]
       med = {side: statistics.median(v) for side, v in t.items()}
-      for side, _, groups in sides[1:]:
+      for side, _, groups, mode in sides[1:]:
         speedups = [b / h for b, h in zip(t["base"], t[side])]
-        row = dict(variant=variant, microbatches=groups,
+        row = dict(variant=variant, microbatches=groups, host_memory=mode,
                    tokens_per_step=tokens, model_flops_per_step=flops,
                    matmul_peak_flops_per_s=peak,
                    bf16_matmul_peak_flops_per_s=peak_of["bfloat16"],
@@ -181,7 +194,8 @@ def main(argv):
                    base_loss=loss["base"], head_loss=loss[side])
         rows.append(row)
         print(f"{variant}: head ({row['head_matmul_dtype']} products, "
-              f"{groups} row group{'s' if groups > 1 else ''}) "
+              f"{groups} row group{'s' if groups > 1 else ''}, host memory "
+              f"{mode}) "
               f"{row['head_tokens_per_s']:.0f} tok/s (MFU "
               f"{row['head_mfu']:.1%}; {row['head_mfu_f32_probe']:.1%} of the "
               f"float32 probe), base ({row['base_matmul_dtype']}) "
