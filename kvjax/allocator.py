@@ -14,8 +14,8 @@ allocate from the main heap, the only one that can hold a block above
 64 MB without `mmap`), no `mmap` for large blocks (`M_MMAP_MAX` 0), and no
 trimming of the heap's top (`M_TRIM_THRESHOLD` at its maximum). Freed
 buffers then stay mapped and are reused by the next call: 0 faults per
-step, the training step 1.2-1.4x faster on the AMD EPYC Zen 4 host
-(WORKSPACE.md "Training speed"). The process keeps its peak heap mapped.
+step, and the training step 1.20x faster on the AMD EPYC Zen 4 host
+(same-run measurement, WORKSPACE.md "Training speed"). The process keeps its peak heap mapped.
 
 Where it is applied: the training loops (`kvjax.train.run`,
 `kvjax.lab.tasks.train_task_model`), where one program runs thousands of
