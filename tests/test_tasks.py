@@ -229,6 +229,24 @@ class GeneratorTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "separator"):
       tasks.MqarSpec(separator=":")
 
+  def test_mqar_flat_is_the_adjacent_prompt_without_the_newline(self):
+    # Same seed, same pairs and queries; the newline's slot goes to one more
+    # leading space, so the length and the answer are unchanged.
+    for seed in range(3):
+      flat = tasks.generate("mqar1_flat", 64, 0.5, seed)
+      adjacent = tasks.generate("mqar1_adjacent", 64, 0.5, seed)
+      self.assertNotIn(10, flat.tokens)
+      self.assertEqual(data.decode(flat.tokens),
+                       data.decode(adjacent.tokens).replace("\n", "")
+                       .replace(" ", "  ", 1))
+      np.testing.assert_array_equal(flat.answer, adjacent.answer)
+      np.testing.assert_array_equal(
+          tasks.reference_answer("mqar1_flat", flat.tokens), flat.answer)
+      self.assertEqual(flat.prompt_targets.sum(),
+                       adjacent.prompt_targets.sum())
+    with self.assertRaisesRegex(ValueError, "query_marker"):
+      tasks.MqarSpec(query_marker=";")
+
   def test_mqar_pairs_capped_at_the_keys(self):
     # One-letter keys: 26 pairs at most however long the prompt; the rest
     # of it is the leading spaces, and every key is still distinct.

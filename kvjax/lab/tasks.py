@@ -32,6 +32,8 @@ Formats (one token per byte, `kvjax.data`; <BOS> is the BOS token):
               one-token keys and values; 26 pairs at most)
   mqar1_adjacent  <BOS>{spaces} k1 a9 ... w3\n a9 w3 k  -> "1" (and
               Zoology's order: each value right after its key)
+  mqar1_flat  <BOS>{spaces} k1 a9 ... w3 a9 w3 k  -> "1" (and no newline
+              before the queries, as in Zoology's prompts)
 
 The noise filler is Mohtashami & Jaggi's (" The grass is green. The sky is
 blue. The sun is yellow. Here we go. There and back again."), which RULER's
@@ -194,12 +196,16 @@ class MqarSpec:
   `separator` is the '=' between key and value; '' puts the value right
   after its key (' {key}{value}', Zoology's adjacent key and value tokens:
   one induction step finds it, where '=' puts it two tokens after the key).
+  `query_marker` is the newline before the queries; '' leaves it out
+  (Zoology's prompts have no such token, and models trained with it park
+  their second layer's attention on it: WORKSPACE.md "Long-context tasks").
   """
 
   key_length: int = 3
   value_digits: int = 3
   num_queries: int = 4
   separator: str = "="
+  query_marker: str = "\n"
 
   def __post_init__(self):
     if not 1 <= self.key_length <= 6:
@@ -212,6 +218,9 @@ class MqarSpec:
     if self.separator not in ("=", ""):
       raise ValueError(f"separator must be '=' or '', got "
                        f"{self.separator!r}")
+    if self.query_marker not in ("\n", ""):
+      raise ValueError(f"query_marker must be '\\n' or '', got "
+                       f"{self.query_marker!r}")
 
   @property
   def answer_length(self) -> int:
@@ -239,7 +248,8 @@ class MqarSpec:
   @property
   def _fixed(self) -> int:
     # BOS, the newline, the answered queries, the last query ' {key}='.
-    return 2 + (self.num_queries - 1) * self.pair_length + self.query_length
+    return (1 + len(self.query_marker) +
+            (self.num_queries - 1) * self.pair_length + self.query_length)
 
 
 TaskSpec = PasskeySpec | NiahSpec | MqarSpec
@@ -272,6 +282,9 @@ TASKS: dict[str, TaskSpec] = {
     "mqar1_adjacent": MqarSpec(key_length=1, value_digits=1, separator=""),
     "mqar1_adjacent_dense": MqarSpec(key_length=1, value_digits=1,
                                      num_queries=12, separator=""),
+    # And no newline before the queries: nothing fixed to park attention on.
+    "mqar1_flat": MqarSpec(key_length=1, value_digits=1, separator="",
+                           query_marker=""),
 }
 
 
@@ -730,8 +743,8 @@ def _mqar(name, spec, length, depth, seed, rng):
     parts.append(_bytes(s))
     pos += len(s)
   context_end = pos
-  parts.append(_bytes("\n"))
-  pos += 1
+  parts.append(_bytes(spec.query_marker))
+  pos += len(spec.query_marker)
   supervised = []
   for i in asked:
     s = f" {keys[i]}{spec.separator}{values[i]}"
@@ -810,11 +823,13 @@ def reference_answer(task: str | TaskSpec, tokens) -> np.ndarray:
       raise ValueError("no pass key sentence in the prompt")
     return _bytes(m.group(1))
   if isinstance(spec, MqarSpec):
-    context, _, queries = text.rpartition("\n")
-    m = re.search(rf" ([a-z]+){spec.separator}$", queries)
+    # The final query's key is asked nowhere else: its one pair is in the
+    # context, with or without the newline before the questions.
+    m = re.search(rf" ([a-z]+){spec.separator}$", text)
     if not m:
       raise ValueError("no final query in the prompt")
-    found = re.findall(rf" {m.group(1)}{spec.separator}(\d+)", context)
+    found = re.findall(rf" {m.group(1)}{spec.separator}(\d+)",
+                       text[:m.start()])
     if len(found) != 1:
       raise ValueError(f"key {m.group(1)!r} appears {len(found)} times")
     return _bytes(found[0])
