@@ -39,6 +39,11 @@ whole row, else on the answers only; validation always scores answers):
   zoology  Zoology's MQAR exactly: one-letter keys, one-digit values
            (`mqar1`; half the rows `mqar1_dense`, 12 queries), T = 256
            (26 pairs), answer loss only, from scratch
+  flat     Zoology's MQAR without the newline before the questions
+           (`mqar1_flat`: ' k1 a9 ... w3 a9 w3 k'), 3-6 pairs at T = 24-32,
+           128 rows an update, answer loss only, from scratch, 4000
+           updates (WORKSPACE.md "Long-context tasks"); with the newline (`mqar1_adjacent`)
+           the second layer parks its attention on it and recall never forms
   mix      passkey, RULER's families and MQAR at T = 512 (multi-value and
            multi-query prompts need > 256 bytes), prompt_loss
 
@@ -92,6 +97,9 @@ MIXTURES = {
     "zoology": dict(names=("mqar1", "mqar1_dense"), weights=(1.0, 1.0),
                     seq_len=256, prompt_loss=False, min_seq_len=64,
                     curriculum=(0, 0), steps=3000),
+    "flat": dict(names=("mqar1_flat",), weights=(1.0,), seq_len=32,
+                 prompt_loss=False, min_seq_len=24, curriculum=(0, 0),
+                 steps=4000, batch_size=128),
     "mix": dict(names=("passkey", "niah_single", "niah_multikey",
                        "niah_multikey_needles", "niah_multivalue",
                        "niah_multiquery", "mqar"),
@@ -154,6 +162,7 @@ def get_config(arg: str = "gqa-passkey") -> ml_collections.ConfigDict:
   mix = dict(MIXTURES[mixture])
   seq_len = mix.pop("seq_len")
   num_steps = mix.pop("steps", 3400)
+  batch_size = mix.pop("batch_size", 16)
   curriculum_steps, curriculum_len = mix.pop("curriculum")
   lr = mix.pop("lr", 3e-3)
   init_from = mix.pop("init_from", None)
@@ -174,7 +183,7 @@ def get_config(arg: str = "gqa-passkey") -> ml_collections.ConfigDict:
       field_type=str)
   cfg.train = ml_collections.ConfigDict(dict(
       seq_len=seq_len,
-      batch_size=16,
+      batch_size=batch_size,
       num_steps=num_steps,
       lr=lr,
       warmup_steps=50,
