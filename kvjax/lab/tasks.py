@@ -247,7 +247,7 @@ class MqarSpec:
 
   @property
   def _fixed(self) -> int:
-    # BOS, the newline, the answered queries, the last query ' {key}='.
+    # BOS, query_marker (the newline), the answered queries, the last query.
     return (1 + len(self.query_marker) +
             (self.num_queries - 1) * self.pair_length + self.query_length)
 
