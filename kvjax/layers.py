@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import norm_matvec
 from kvjax.config import ModelConfig, RopeScaling
 
 
@@ -71,19 +72,21 @@ def linear_t(x, w_oi, preferred_element_type=None, *,
 
   `preferred_element_type`: the product's dtype (as in `jnp.matmul`).
   `norm_input`: x is a cheap elementwise function of one stored vector (an
-  RMSNorm's output). For a single row the product is then written plainly,
-  `x @ W.T`: XLA's CPU backend turns that matrix-vector product into one
-  loop over the weight's rows, split across the cores, with the norm's
-  multiplies fused in: medium's batch-1 decode ran 5.6 % (GQA) and 8.9 %
-  (MLA) faster in same-process A/Bs (WORKSPACE.md). Not for inputs
-  that cost work to make (the down product's SiLU, the attention's value
-  product): the loop would redo that work once per weight row.
+  RMSNorm's output). For a single row the product may then be written
+  plainly, `x @ W.T`: XLA's CPU backend turns that matrix-vector product
+  into one loop over the weight's rows, split across the cores, with the
+  norm's multiplies fused in. Faster on some CPUs, slower on others
+  (medium's batch-1 decode: +5.6 % GQA on the AMD EPYC Zen 4; 1.12–1.24x
+  slower on the Intel Xeon), so the form is measured per process
+  (`kvjax.norm_matvec`). Not for inputs that cost work to make (the down
+  product's SiLU, the attention's value product): the loop would redo that
+  work once per weight row.
   """
   lead, n_out = x.shape[:-1], w_oi.shape[0]
   rows = x.reshape(-1, x.shape[-1])
   dot = lambda a, b: jnp.matmul(a, b,
                                 preferred_element_type=preferred_element_type)
-  if rows.shape[0] == 1 and norm_input:
+  if rows.shape[0] == 1 and norm_input and norm_matvec.fused():
     return dot(rows, w_oi.T).reshape(*lead, n_out)
   if rows.shape[0] == 1:  # a matrix-vector product
     return jax.lax.optimization_barrier(dot(w_oi, rows[0])).reshape(*lead,

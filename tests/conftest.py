@@ -19,6 +19,11 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # compilation ~20 % slower, and the suite is compile-bound.
 # tests/test_allocator.py sets it per subprocess.
 os.environ.setdefault("KVJAX_HOST_MEMORY", "system")
+# One form for norm-fed one-row products (kvjax/norm_matvec.py) instead of
+# a ~2 s, 2 x last-level-cache measurement in every worker and subprocess;
+# tests/test_packed.py runs both forms, tests/test_norm_matvec.py the
+# measurement.
+os.environ.setdefault("KVJAX_NORM_MATVEC", "fused")
 
 
 # ---- the persistent compilation cache --------------------------------------

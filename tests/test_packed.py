@@ -26,6 +26,7 @@ import kvjax
 from kvjax.lab import benchmarking as bm
 from kvjax import layers
 from kvjax import model
+from kvjax import norm_matvec
 from kvjax import packed
 from kvjax import params as params_lib
 from kvjax import projections
@@ -92,22 +93,24 @@ class LinearTTest(parameterized.TestCase):
     self.assertIn("optimization_barrier",
                   [e.primitive.name for e in jaxpr.eqns])
 
-  @cases.product(rows=(1, 8))
-  def test_norm_input_is_plain_for_one_row_only(self, rows):
-    # One norm-fed row: the plain x @ W.T (no barrier), which XLA's CPU
-    # backend runs as a loop split across the cores; more rows keep the
-    # weight-on-the-left form.
-    jaxpr = jax.make_jaxpr(functools.partial(layers.linear_t,
-                                             norm_input=True))(
-                                                 jnp.ones((rows, 24)),
-                                                 jnp.ones((40, 24))).jaxpr
+  @cases.product(rows=(1, 8), form=norm_matvec.FORMS)
+  def test_norm_input_is_plain_for_one_fused_row_only(self, rows, form):
+    # One norm-fed row in the fused form: the plain x @ W.T (no barrier),
+    # which XLA's CPU backend runs as a loop split across the cores; the
+    # separate form and more rows keep the weight-on-the-left form.
+    with norm_matvec.forced(form):
+      jaxpr = jax.make_jaxpr(functools.partial(layers.linear_t,
+                                               norm_input=True))(
+                                                   jnp.ones((rows, 24)),
+                                                   jnp.ones((40, 24))).jaxpr
     dots = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
     self.assertLen(dots, 1)
+    plain = rows == 1 and form == "fused"
     barrier = "optimization_barrier" in [e.primitive.name
                                          for e in jaxpr.eqns]
-    self.assertEqual(barrier, rows > 1)
+    self.assertEqual(barrier, not plain)
     self.assertEqual(dots[0].invars[0].aval.shape,
-                     (1, 24) if rows == 1 else (40, 24))
+                     (1, 24) if plain else (40, 24))
 
 
 class PackedTest(parameterized.TestCase):
@@ -141,19 +144,25 @@ class PackedTest(parameterized.TestCase):
           kvjax.generate(pk, config, tokens[:, :5], 8),
           kvjax.generate(params, config, tokens[:, :5], 8))
 
-  @cases.variants(fast=("gqa",))
-  def test_batch_one_decode(self, variant):
+  @cases.product(variant=VARIANTS, form=norm_matvec.FORMS,
+                 slow=lambda variant, form: variant != "gqa")
+  def test_batch_one_decode(self, variant, form):
     # One sequence: each decode step is a single row, so the norm-fed
-    # products take linear_t's plain matrix-vector form (norm_input).
+    # products take the form kvjax.norm_matvec gives them; both forms
+    # compute the canonical logits. Programs keep the form they were traced
+    # with, so the caches are cleared to trace this one.
     config, params = _config_and_params(variant)
     pk = params_lib.pack(params, config)
     tokens = _tokens(config, (1, 9))
     full = kvjax.forward(params, config, tokens)
-    _, cache = kvjax.prefill(pk, config, tokens[:, :5],
-                             kvjax.init_cache(config, 1, S))
-    for t in range(5, 9):
-      step, cache = kvjax.decode_step(pk, config, tokens[:, t], cache)
-      assert_close(step, full[:, t], config)
+    jax.clear_caches()
+    with norm_matvec.forced(form):
+      _, cache = kvjax.prefill(pk, config, tokens[:, :5],
+                               kvjax.init_cache(config, 1, S))
+      for t in range(5, 9):
+        step, cache = kvjax.decode_step(pk, config, tokens[:, t], cache)
+        assert_close(step, full[:, t], config)
+    jax.clear_caches()
 
   @pytest.mark.slow  # an MoE model's compile; test_moe checks its decode
   def test_moe_stacks(self):

@@ -55,6 +55,7 @@ from kvjax import cache as cache_lib
 from kvjax import decode
 from kvjax import errors
 from kvjax import packed
+from kvjax import params as params_lib
 from kvjax import quant
 from kvjax import sampling
 from kvjax.config import ModelConfig
@@ -566,10 +567,11 @@ def commit_checkout(repo: str, rev: str):
                       tree], check=False, capture_output=True)
 
 
-def run_probe(tree: str, script: str, *args) -> dict:
+def run_probe(tree: str, script: str, *args, env=None) -> dict:
   """Runs `script` (Python source) in a fresh CPU subprocess that imports
-  kvjax from `tree`; returns the JSON of its last stdout line."""
-  env = dict(os.environ, PYTHONPATH=tree, JAX_PLATFORMS="cpu")
+  kvjax from `tree` (with `env`'s variables added); returns the JSON of its
+  last stdout line."""
+  env = dict(os.environ, PYTHONPATH=tree, JAX_PLATFORMS="cpu", **(env or {}))
   out = subprocess.run([sys.executable, "-c", script, *map(str, args)],
                        cwd=tree, env=env, capture_output=True, text=True,
                        check=False)
@@ -732,6 +734,77 @@ def error_check_cost(params, config: ModelConfig, batch: int, position: int,
               unchecked_step_s=t["unchecked"].median / steps,
               ratio=statistics.median(ratios), ratio_rounds=ratios,
               batch=batch, position=position, steps=steps)
+
+
+# One form per process: compiled beside the other form, the fused loop ran
+# as fast as the separate dots (gqa-medium 13.6 vs 13.6 ms per step) where
+# by itself it took 16.6-18.6 ms against 13.1-14.4 (Intel Xeon), so a
+# process's own form is timed in a process of its own.
+_FORM_PROBE = r"""
+import json, sys
+import jax
+import kvjax
+from kvjax.config import ModelConfig
+from kvjax.lab import benchmarking as bm
+from kvjax import norm_matvec
+config = ModelConfig.from_dict(json.loads(sys.argv[1]))
+batch, position, steps, repeats = map(int, sys.argv[2:6])
+params = kvjax.init_params(config, jax.random.key(0))
+r = bm.decode_steps_alternating(params, config, batch, position, ["float32"],
+                                steps=steps, repeats=repeats,
+                                probe_bytes=1 << 29)
+print(json.dumps(dict(form=norm_matvec.form(),
+                      step_s=r["float32"]["step_s"],
+                      probe_bytes_per_s=r["read_probe"]["bytes_per_s"])))
+"""
+
+
+def norm_matvec_forms(config: ModelConfig, batch: int, position: int, *,
+                      rounds: int = 3, steps: int = 16, repeats: int = 5
+                      ) -> dict[str, Any]:
+  """Decode steps with norm-fed one-row products in each form of
+  `kvjax.norm_matvec`, each form in fresh subprocesses
+  (`KVJAX_NORM_MATVEC` set; random params of `config`, the layout generate
+  runs, a cache holding `position` tokens) with the read probe timed in
+  the same subprocess, forms alternating over `rounds`.
+
+  Returns:
+    per form: step_s (median over rounds), bytes (`decode_bytes_per_step`),
+    read_fraction (median over rounds of bytes / step / that subprocess's
+    probe), rounds (its per-round step_s); and separate_speedup (median
+    of per-round fused / separate step).
+  """
+  from kvjax import norm_matvec  # pylint: disable=g-import-not-at-top
+  _check_counts(1, repeats)
+  if rounds < 1:
+    raise ValueError(f"rounds must be >= 1, got {rounds}")
+  tree = os.path.dirname(os.path.dirname(os.path.dirname(
+      os.path.abspath(__file__))))
+  params = jax.eval_shape(lambda: params_lib.init_params(
+      config, jax.random.key(0)))  # shapes: the bytes a step reads
+  nbytes = decode_bytes_per_step(params, config, batch, position + 1)["total"]
+  runs = {form: [] for form in norm_matvec.FORMS}
+  for r in range(rounds):
+    forms = norm_matvec.FORMS[r % 2:] + norm_matvec.FORMS[:r % 2]
+    for form in forms:
+      out = run_probe(tree, _FORM_PROBE, json.dumps(config.to_dict()), batch,
+                      position, steps, repeats,
+                      env={norm_matvec.ENV: form})
+      if out["form"] != form:
+        raise RuntimeError(f"the subprocess ran {out['form']!r}, not {form!r}")
+      runs[form].append(out)
+  result = {}
+  for form, outs in runs.items():
+    steps_s = [o["step_s"] for o in outs]
+    result[form] = dict(
+        step_s=statistics.median(steps_s), bytes=nbytes, rounds=steps_s,
+        read_fraction=statistics.median(
+            nbytes / o["step_s"] / o["probe_bytes_per_s"] for o in outs),
+        probe_bytes_per_s=statistics.median(o["probe_bytes_per_s"]
+                                            for o in outs))
+  result["separate_speedup"] = statistics.median(paired_ratios(
+      result["fused"]["rounds"], result["separate"]["rounds"]))
+  return result
 
 
 def _decode_runner(params, config: ModelConfig, batch: int, position: int,

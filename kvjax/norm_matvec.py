@@ -1,0 +1,164 @@
+"""How a norm-fed matrix-vector product is run on this host: measured.
+
+Batch-1 decode multiplies one row, an RMSNorm's output, by each of the
+q/k/v and gate/up weights (and MLA's input products). XLA's CPU backend can
+run that product two ways (`layers.linear_t(..., norm_input=True)`):
+
+  'fused'     the plain `x @ W.T`: one loop fusion over the weight's rows,
+              split across the cores, the norm's multiplies fused in;
+  'separate'  the norm, then the product as its own dot thunk with the
+              weight on the left (`W @ x`, fenced by an optimization
+              barrier), the form every other skinny product takes.
+
+Which is faster depends on the CPU, not on the model: streaming weights
+from DRAM (the regime of a model whose weights exceed the last-level
+cache), the fused loop read 25–27 GB/s against 23 GB/s for the dot on the
+AMD EPYC Zen 4 (32 MiB L3; batch-1 decode +5.6 % GQA, +8.9 % MLA
+medium), while on the Intel Xeon (AVX-512, AMX, 300 MiB L3) it reads 20
+GB/s against the dot's 31 GB/s over 604 MB of weights (and wins only
+while they fit in the cache), so medium's batch-1 decode runs 1.12–1.24x
+faster separate there (`experiments/norm_matvec.py`, WORKSPACE.md). So
+the choice is measured, once per process, in that regime: `measure`
+times both forms over a chain of norm-fed products whose weights total
+twice the last-level cache (`probe_bytes`), and `fused()` takes the fused
+form only where it is at least `FUSED_MIN_SPEEDUP` faster (the general
+form otherwise; a shared host's noise cannot flip a clear difference).
+
+`KVJAX_NORM_MATVEC=fused|separate` skips the measurement (the test suite
+sets 'fused'); `forced(value)` overrides it in a block (tests, A/B
+benchmarks). Read at trace time: a program compiled under one form keeps
+it. Off the CPU the fused form is kept (unmeasured there; the packed
+layout that calls `linear_t` is only chosen on CPU, `kvjax.packed`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+
+ENV = "KVJAX_NORM_MATVEC"
+FORMS = ("fused", "separate")
+# The fused loop is taken only where it is this much faster: the hosts
+# measured are 1.1x apart one way and 1.5x the other (module docstring).
+FUSED_MIN_SPEEDUP = 1.03
+# Probe weights: the shape of medium's gate/up product ([2F, D] = 4096 x
+# 768, 12.6 MB), repeated until the chain covers `probe_bytes`.
+PROBE_SHAPE = (4096, 768)
+_DEFAULT_LLC = 256 << 20  # where the OS does not say
+_MIN_PROBE, _MAX_PROBE = 64 << 20, 1 << 30
+
+_FORCED: list[bool] = []
+
+
+def last_level_cache_bytes() -> int | None:
+  """The largest CPU cache the OS reports (Linux sysfs), or None."""
+  sizes = []
+  base = "/sys/devices/system/cpu/cpu0/cache"
+  try:
+    entries = os.listdir(base)
+  except OSError:
+    return None
+  for entry in entries:
+    try:
+      with open(os.path.join(base, entry, "size")) as f:
+        text = f.read().strip()
+    except OSError:
+      continue
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    digits = text.rstrip("KMG")
+    if digits.isdigit():
+      sizes.append(int(digits) * scale)
+  return max(sizes) if sizes else None
+
+
+def probe_bytes() -> int:
+  """Weight bytes of the probe chain: twice the last-level cache (so the
+  weights stream from memory, as a decode step's do), within
+  [64 MiB, 1 GiB]."""
+  llc = last_level_cache_bytes() or _DEFAULT_LLC
+  return min(max(2 * llc, _MIN_PROBE), _MAX_PROBE)
+
+
+def _chain(ws, scale, x, *, fused: bool):
+  # Imported here: kvjax.layers reads this module at trace time.
+  from kvjax import layers
+  for w in ws:
+    h = layers.rms_norm(x, scale, 1e-6)
+    if fused:
+      y = h @ w.T
+    else:
+      y = jax.lax.optimization_barrier(w @ h[0])[None]
+    x = x + y[:, :x.shape[1]]
+  return x
+
+
+def measure(nbytes: int | None = None, *, repeats: int = 5
+            ) -> dict[str, float]:
+  """Seconds per chain of norm-fed products (weights totalling `nbytes`,
+  default `probe_bytes()`) in each form, best of `repeats` after a warm-up,
+  the forms alternating. Returns {'fused': s, 'separate': s, 'nbytes': n}.
+  """
+  nbytes = probe_bytes() if nbytes is None else nbytes
+  per = PROBE_SHAPE[0] * PROBE_SHAPE[1] * 4
+  if nbytes < per or repeats < 1:
+    raise ValueError(f"nbytes must be >= {per} and repeats >= 1, got "
+                     f"{nbytes}, {repeats}")
+  ws = [jnp.full(PROBE_SHAPE, 1e-3 * (i + 1), jnp.float32)
+        for i in range(nbytes // per)]
+  scale = jnp.ones((PROBE_SHAPE[1],), jnp.float32)
+  x = jnp.ones((1, PROBE_SHAPE[1]), jnp.float32)
+  fns = {form: jax.jit(functools.partial(_chain, fused=form == "fused"))
+         for form in FORMS}
+  best = {form: float("inf") for form in FORMS}
+  for i in range(1 + repeats):
+    for form, fn in fns.items():
+      t0 = time.perf_counter()
+      fn(ws, scale, x).block_until_ready()
+      if i:
+        best[form] = min(best[form], time.perf_counter() - t0)
+  return dict(best, nbytes=float(len(ws) * per))
+
+
+@functools.cache
+def _measured() -> bool:
+  if jax.default_backend() != "cpu":
+    return True
+  t = measure()
+  return t["separate"] >= FUSED_MIN_SPEEDUP * t["fused"]
+
+
+def form() -> str:
+  """'fused' or 'separate': the form this process gives norm-fed
+  matrix-vector products (`forced`, else $KVJAX_NORM_MATVEC, else
+  measured once)."""
+  if _FORCED:
+    return "fused" if _FORCED[-1] else "separate"
+  env = os.environ.get(ENV, "")
+  if env:
+    if env not in FORMS:
+      raise ValueError(f"{ENV} must be one of {FORMS}, got {env!r}")
+    return env
+  return "fused" if _measured() else "separate"
+
+
+def fused() -> bool:
+  """Whether norm-fed one-row products take the fused loop (`form`)."""
+  return form() == "fused"
+
+
+@contextlib.contextmanager
+def forced(value: str):
+  """Inside, `form()` is `value` ('fused' or 'separate'). Programs traced
+  before keep the form they were compiled with."""
+  if value not in FORMS:
+    raise ValueError(f"value must be one of {FORMS}, got {value!r}")
+  _FORCED.append(value == "fused")
+  try:
+    yield
+  finally:
+    _FORCED.pop()
