@@ -33,6 +33,7 @@ layout that calls `linear_t` is only chosen on CPU, `kvjax.packed`).
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import os
@@ -128,7 +129,10 @@ def measure(nbytes: int | None = None, *, repeats: int = 5
 def _measured() -> bool:
   if jax.default_backend() != "cpu":
     return True
-  t = measure()
+  # Usually first asked while a decode step is being traced; JAX's trace
+  # state is per thread, so a fresh thread runs the probe eagerly.
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    t = pool.submit(measure).result()
   return t["separate"] >= FUSED_MIN_SPEEDUP * t["fused"]
 
 

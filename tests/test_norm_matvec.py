@@ -70,6 +70,16 @@ class NormMatvecTest(absltest.TestCase):
         self.assertEqual(norm_matvec.form(), want)
         self.assertEqual(m.call_count, 1)  # once per process
 
+  def test_measured_while_a_program_is_traced(self):
+    # generate first asks while tracing its decode step: the probe must
+    # still run eagerly, on concrete weights.
+    per = norm_matvec.PROBE_SHAPE[0] * norm_matvec.PROBE_SHAPE[1] * 4
+    with mock.patch.dict("os.environ", {norm_matvec.ENV: ""}), \
+        mock.patch.object(norm_matvec, "probe_bytes", return_value=2 * per):
+      out = jax.jit(lambda x: x + norm_matvec.fused())(jnp.zeros(()))
+    self.assertIn(float(out), (0.0, 1.0))
+    self.assertEqual(norm_matvec._measured.cache_info().currsize, 1)
+
   def test_environment_and_forced(self):
     with mock.patch.dict("os.environ", {norm_matvec.ENV: "separate"}):
       self.assertFalse(norm_matvec.fused())
