@@ -3,13 +3,14 @@ r"""Which form norm-fed one-row products should take on this host
 on the decode steps it serves.
 
   python experiments/norm_matvec.py \
-      --presets=mha-medium,mqa-medium,gqa-medium,mla-medium \
+      --presets=gqa-small,mha-medium,mqa-medium,gqa-medium,mla-medium \
       --workdir=workdir/norm_matvec
 
-First the process's own measurement (`norm_matvec.measure`: both forms
-over norm-fed weights totalling twice the last-level cache) and the form
-it gives (`norm_matvec.form()`, environment overrides ignored). Then, per
-preset, batch-1 decode steps from `--position` cached tokens in each form
+First the process's own measurements (`norm_matvec.measure`, both forms,
+per regime: norm-fed weights totalling twice the last-level cache, and a
+chain that fits in a quarter of it) and the form each gives (environment
+overrides ignored). Then, per preset (its weights set its regime,
+`norm_matvec.regime`), batch-1 decode steps from `--position` cached tokens in each form
 with the read probe, each form in fresh subprocesses (a process compiles
 one form; beside the other the fused loop ran as fast as the dots),
 alternating over `--rounds` (`benchmarking.norm_matvec_forms`): ms per
@@ -28,7 +29,10 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+import jax
+import jax.numpy as jnp
 
+import kvjax
 from kvjax.lab import benchmarking as bm
 from kvjax import cli
 from kvjax import configs as cfg_lib
@@ -36,7 +40,8 @@ from kvjax import norm_matvec
 from configs import model as presets
 
 _PRESETS = cli.DEFINE_choice_list(
-    "presets", ["mha-medium", "mqa-medium", "gqa-medium", "mla-medium"],
+    "presets", ["gqa-small", "mha-medium", "mqa-medium", "gqa-medium",
+                "mla-medium"],
     presets.PRESETS, "configs/model.py presets.")
 _POSITION = flags.DEFINE_integer("position", 128, "Tokens already cached.",
                                  lower_bound=0)
@@ -57,21 +62,31 @@ def main(argv):
     configs = {name: cfg_lib.model_config(presets.get_config(name).model)
                for name in _PRESETS.value}
   os.environ.pop(norm_matvec.ENV, None)  # the decision a process makes
-  probe = norm_matvec.measure()
-  chosen = norm_matvec.form()
-  print(f"measure: fused {1e3 * probe['fused']:.2f} ms, separate "
-        f"{1e3 * probe['separate']:.2f} ms over "
-        f"{probe['nbytes'] / 2**20:.0f} MiB "
-        f"({probe['nbytes'] / probe['fused'] / 1e9:.1f} / "
-        f"{probe['nbytes'] / probe['separate'] / 1e9:.1f} GB/s); "
-        f"this process takes '{chosen}'", flush=True)
+  probes, chosen = {}, {}
+  for regime in norm_matvec.REGIMES:
+    probes[regime] = p = norm_matvec.measure(regime=regime)
+    with norm_matvec.weights({"w": jax.ShapeDtypeStruct(
+        (int(p["nbytes"]) // 4,), jnp.float32)}):
+      chosen[regime] = norm_matvec.form()
+    print(f"measure {regime}: fused {1e3 * p['fused']:.3f} ms, separate "
+          f"{1e3 * p['separate']:.3f} ms over {p['nbytes'] / 2**20:.0f} MiB "
+          f"({p['nbytes'] / p['fused'] / 1e9:.1f} / "
+          f"{p['nbytes'] / p['separate'] / 1e9:.1f} GB/s); this process "
+          f"takes '{chosen[regime]}'", flush=True)
   rows = []
   partial = cli.JsonLines(os.path.join(_WORKDIR.value, "norm_matvec.jsonl"))
   for name, config in configs.items():
     r = bm.norm_matvec_forms(config, 1, _POSITION.value,
                              rounds=_ROUNDS.value, steps=_STEPS.value,
                              repeats=_REPEATS.value)
-    row = dict(preset=name, position=_POSITION.value, **r)
+    weight_bytes = sum(a.size * a.dtype.itemsize for a in
+                       jax.tree_util.tree_leaves(jax.eval_shape(
+                           lambda c=config: kvjax.init_params(
+                               c, jax.random.key(0)))))
+    regime = norm_matvec.regime(weight_bytes)
+    row = dict(preset=name, position=_POSITION.value,
+               weight_bytes=weight_bytes, regime=regime,
+               chosen=chosen[regime], **r)
     rows.append(row)
     partial.write(row)
     f, s = r["fused"], r["separate"]
@@ -80,11 +95,12 @@ def main(argv):
           f"read), separate {1e3 * s['step_s']:.2f} ms "
           f"({100 * s['read_fraction']:.0f}%), separate "
           f"{r['separate_speedup']:.2f}x fused; read probe "
-          f"{s['probe_bytes_per_s'] / 1e9:.1f} GB/s", flush=True)
+          f"{s['probe_bytes_per_s'] / 1e9:.1f} GB/s; {regime} weights, "
+          f"takes '{chosen[regime]}'", flush=True)
   partial.close()
   out = dict(machine=bm.machine_info(), cpu=bm.cpu_model(),
              last_level_cache=norm_matvec.last_level_cache_bytes(),
-             measure=probe, chosen=chosen, rows=rows)
+             measure=probes, chosen=chosen, rows=rows)
   with open(os.path.join(_WORKDIR.value, "norm_matvec.json"), "w") as fh:
     json.dump(out, fh, indent=1)
   fig, ax = plt.subplots(figsize=(6.4, 3.6))
@@ -92,9 +108,11 @@ def main(argv):
   for i, form in enumerate(norm_matvec.FORMS):
     ax.bar([j + (i - 0.5) * width for j in range(len(rows))],
            [100 * row[form]["read_fraction"] for row in rows], width,
-           label=form + (" (chosen)" if form == chosen else ""))
+           label=form)
   ax.axhline(85, color="gray", ls="--", lw=1, label="85 % target")
-  ax.set_xticks(range(len(rows)), [row["preset"] for row in rows])
+  ax.set_xticks(range(len(rows)), [f"{row['preset']}\n{row['regime']}: "
+                                   f"{row['chosen']}" for row in rows],
+                fontsize=8)
   ax.set_ylabel("% of the in-run read probe")
   ax.set_title(f"batch-1 decode @ {_POSITION.value}: norm-fed products\n"
                f"{out['cpu']}", fontsize=9)

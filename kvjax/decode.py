@@ -41,6 +41,7 @@ from kvjax import model
 from kvjax import native_attention
 from kvjax import native_latent
 from kvjax import native_layered
+from kvjax import norm_matvec
 from kvjax import projections
 from kvjax.config import ModelConfig
 
@@ -273,8 +274,9 @@ def run(params, config: ModelConfig, tok_B, cache, xs, *,
     n = jax.tree_util.tree_leaves(xs)[0].shape[0]
 
   def step(tok_B, cache, rope, attend=0):
-    logits_BV, cache = pin(*model.decode_logits(params, config, tok_B,
-                                                cache, attend, rope))
+    with norm_matvec.weights(params):  # the step streams these
+      logits_BV, cache = pin(*model.decode_logits(params, config, tok_B,
+                                                  cache, attend, rope))
     return logits_BV, cache
 
   def x_at(i):

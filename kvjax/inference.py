@@ -22,6 +22,7 @@ from kvjax import cache as cache_lib
 from kvjax import decode
 from kvjax import errors
 from kvjax import model
+from kvjax import norm_matvec
 from kvjax import packed
 from kvjax import params as params_lib
 from kvjax import quant
@@ -194,7 +195,9 @@ def _extend(params, config, tokens, mask, cache, all_logits):
 @functools.partial(jax.jit, static_argnames=("config", "shardings"),
                    donate_argnames=("cache",))
 def _decode(params, config, token, cache, shardings=None):
-  return _pin(shardings, *model.decode_logits(params, config, token, cache))
+  with norm_matvec.weights(params):
+    return _pin(shardings, *model.decode_logits(params, config, token,
+                                                cache))
 
 
 def _place(shardings, config, params, cache, *batch_arrays):

@@ -10,19 +10,25 @@ run that product two ways (`layers.linear_t(..., norm_input=True)`):
               weight on the left (`W @ x`, fenced by an optimization
               barrier), the form every other skinny product takes.
 
-Which is faster depends on the CPU, not on the model: streaming weights
-from DRAM (the regime of a model whose weights exceed the last-level
-cache), the fused loop read 25–27 GB/s against 23 GB/s for the dot on the
-AMD EPYC Zen 4 (32 MiB L3; batch-1 decode +5.6 % GQA, +8.9 % MLA
-medium), while on the Intel Xeon (AVX-512, AMX, 300 MiB L3) it reads 20
-GB/s against the dot's 31 GB/s over 604 MB of weights (and wins only
-while they fit in the cache), so medium's batch-1 decode runs 1.12–1.24x
-faster separate there (`experiments/norm_matvec.py`, WORKSPACE.md). So
-the choice is measured, once per process, in that regime: `measure`
-times both forms over a chain of norm-fed products whose weights total
-twice the last-level cache (`probe_bytes`), and `fused()` takes the fused
-form only where it is at least `FUSED_MIN_SPEEDUP` faster (the general
-form otherwise; a shared host's noise cannot flip a clear difference).
+Which is faster depends on the CPU and on where the weights live, not on
+the model's arithmetic. Streaming weights from DRAM (a model larger than
+the last-level cache), the fused loop read 25–27 GB/s against 23 GB/s for
+the dot on the AMD EPYC Zen 4 (32 MiB L3; batch-1 decode +5.6 % GQA, +8.9 %
+MLA medium), while on the Intel Xeon (AVX-512, AMX, 300 MiB L3) it reads
+20 GB/s against the dot's 31 GB/s, so medium's batch-1 decode runs
+1.12–1.24x faster separate there (`experiments/norm_matvec.py`,
+WORKSPACE.md). With the weights in the cache the Xeon turns the other way:
+the shipped 12 MB model decodes 1.15–1.4x faster fused.
+
+So the form is measured once per process and regime (`REGIMES`):
+'streaming' times both forms over a chain of norm-fed products whose
+weights total twice the last-level cache, 'resident' over a chain that
+fits in a quarter of it (`probe_bytes`). The decode loops say what they
+stream (`weights(params)`): params no larger than half the last-level
+cache are 'resident', larger or unsaid 'streaming'. `fused()` takes the
+fused form only where it measured at least `FUSED_MIN_SPEEDUP` faster
+(the general form otherwise; a shared host's noise cannot flip a clear
+difference).
 
 `KVJAX_NORM_MATVEC=fused|separate` skips the measurement (the test suite
 sets 'fused'); `forced(value)` overrides it in a block (tests, A/B
@@ -44,16 +50,24 @@ import jax.numpy as jnp
 
 ENV = "KVJAX_NORM_MATVEC"
 FORMS = ("fused", "separate")
+REGIMES = ("streaming", "resident")
 # The fused loop is taken only where it is this much faster: the hosts
 # measured are 1.1x apart one way and 1.5x the other (module docstring).
 FUSED_MIN_SPEEDUP = 1.03
-# Probe weights: the shape of medium's gate/up product ([2F, D] = 4096 x
-# 768, 12.6 MB), repeated until the chain covers `probe_bytes`.
-PROBE_SHAPE = (4096, 768)
+# Probe weights per regime: medium's gate/up product ([2F, D] = 4096 x 768,
+# 12.6 MB) streaming, the shipped model's scale ([4D, D] at D 256, 1 MiB)
+# resident; repeated until the chain covers `probe_bytes`.
+PROBE_SHAPES = {"streaming": (4096, 768), "resident": (1024, 256)}
+PROBE_SHAPE = PROBE_SHAPES["streaming"]
+# Chain calls per timed sample: a resident chain takes ~0.1 ms, near the
+# dispatch cost, so it is timed over several calls.
+_CALLS = {"streaming": 1, "resident": 16}
 _DEFAULT_LLC = 256 << 20  # where the OS does not say
-_MIN_PROBE, _MAX_PROBE = 64 << 20, 1 << 30
+_PROBE_LIMITS = {"streaming": (64 << 20, 1 << 30),
+                 "resident": (4 << 20, 32 << 20)}
 
 _FORCED: list[bool] = []
+_WEIGHTS: list[int] = []
 
 
 def last_level_cache_bytes() -> int | None:
@@ -77,12 +91,34 @@ def last_level_cache_bytes() -> int | None:
   return max(sizes) if sizes else None
 
 
-def probe_bytes() -> int:
-  """Weight bytes of the probe chain: twice the last-level cache (so the
-  weights stream from memory, as a decode step's do), within
-  [64 MiB, 1 GiB]."""
-  llc = last_level_cache_bytes() or _DEFAULT_LLC
-  return min(max(2 * llc, _MIN_PROBE), _MAX_PROBE)
+def last_level_cache() -> int:
+  """`last_level_cache_bytes()`, or 256 MiB where the OS does not say."""
+  return last_level_cache_bytes() or _DEFAULT_LLC
+
+
+def probe_bytes(regime: str = "streaming") -> int:
+  """Weight bytes of a regime's probe chain: 'streaming' twice the
+  last-level cache (so the weights stream from memory, as a large model's
+  decode step's do) within [64 MiB, 1 GiB]; 'resident' a quarter of it
+  within [4 MiB, 32 MiB]."""
+  _check_regime(regime)
+  llc = last_level_cache()
+  lo, hi = _PROBE_LIMITS[regime]
+  return min(max(2 * llc if regime == "streaming" else llc // 4, lo), hi)
+
+
+def regime(weight_bytes: int | None) -> str:
+  """'resident' for weights no larger than half the last-level cache (they
+  stay cached from one decode step to the next), else 'streaming' (also
+  where the weights are not known)."""
+  if weight_bytes is not None and weight_bytes <= last_level_cache() // 2:
+    return "resident"
+  return "streaming"
+
+
+def _check_regime(value: str):
+  if value not in REGIMES:
+    raise ValueError(f"regime must be one of {REGIMES}, got {value!r}")
 
 
 def _chain(ws, scale, x, *, fused: bool):
@@ -98,48 +134,54 @@ def _chain(ws, scale, x, *, fused: bool):
   return x
 
 
-def measure(nbytes: int | None = None, *, repeats: int = 5
-            ) -> dict[str, float]:
-  """Seconds per chain of norm-fed products (weights totalling `nbytes`,
-  default `probe_bytes()`) in each form, best of `repeats` after a warm-up,
-  the forms alternating. Returns {'fused': s, 'separate': s, 'nbytes': n}.
+def measure(nbytes: int | None = None, *, repeats: int = 5,
+            regime: str = "streaming") -> dict[str, float]:
+  """Seconds per chain of norm-fed products (weights of the regime's
+  `PROBE_SHAPES` totalling `nbytes`, default `probe_bytes(regime)`) in
+  each form, best of `repeats` after a warm-up, the forms alternating.
+  Returns {'fused': s, 'separate': s, 'nbytes': n}.
   """
-  nbytes = probe_bytes() if nbytes is None else nbytes
-  per = PROBE_SHAPE[0] * PROBE_SHAPE[1] * 4
+  _check_regime(regime)
+  shape = PROBE_SHAPES[regime]
+  nbytes = probe_bytes(regime) if nbytes is None else nbytes
+  per = shape[0] * shape[1] * 4
   if nbytes < per or repeats < 1:
     raise ValueError(f"nbytes must be >= {per} and repeats >= 1, got "
                      f"{nbytes}, {repeats}")
-  ws = [jnp.full(PROBE_SHAPE, 1e-3 * (i + 1), jnp.float32)
+  ws = [jnp.full(shape, 1e-3 * (i + 1), jnp.float32)
         for i in range(nbytes // per)]
-  scale = jnp.ones((PROBE_SHAPE[1],), jnp.float32)
-  x = jnp.ones((1, PROBE_SHAPE[1]), jnp.float32)
+  scale = jnp.ones((shape[1],), jnp.float32)
+  x = jnp.ones((1, shape[1]), jnp.float32)
   fns = {form: jax.jit(functools.partial(_chain, fused=form == "fused"))
          for form in FORMS}
+  calls = _CALLS[regime]
   best = {form: float("inf") for form in FORMS}
   for i in range(1 + repeats):
     for form, fn in fns.items():
       t0 = time.perf_counter()
-      fn(ws, scale, x).block_until_ready()
+      for _ in range(calls):
+        y = fn(ws, scale, x)
+      y.block_until_ready()
       if i:
-        best[form] = min(best[form], time.perf_counter() - t0)
+        best[form] = min(best[form], (time.perf_counter() - t0) / calls)
   return dict(best, nbytes=float(len(ws) * per))
 
 
 @functools.cache
-def _measured() -> bool:
+def _measured(regime: str) -> bool:
   if jax.default_backend() != "cpu":
     return True
   # Usually first asked while a decode step is being traced; JAX's trace
   # state is per thread, so a fresh thread runs the probe eagerly.
   with concurrent.futures.ThreadPoolExecutor(1) as pool:
-    t = pool.submit(measure).result()
+    t = pool.submit(measure, regime=regime).result()
   return t["separate"] >= FUSED_MIN_SPEEDUP * t["fused"]
 
 
 def form() -> str:
   """'fused' or 'separate': the form this process gives norm-fed
   matrix-vector products (`forced`, else $KVJAX_NORM_MATVEC, else
-  measured once)."""
+  measured once for the regime of the innermost `weights` block)."""
   if _FORCED:
     return "fused" if _FORCED[-1] else "separate"
   env = os.environ.get(ENV, "")
@@ -147,7 +189,8 @@ def form() -> str:
     if env not in FORMS:
       raise ValueError(f"{ENV} must be one of {FORMS}, got {env!r}")
     return env
-  return "fused" if _measured() else "separate"
+  streamed = _WEIGHTS[-1] if _WEIGHTS else None
+  return "fused" if _measured(regime(streamed)) else "separate"
 
 
 def fused() -> bool:
@@ -166,3 +209,17 @@ def forced(value: str):
     yield
   finally:
     _FORCED.pop()
+
+
+@contextlib.contextmanager
+def weights(params):
+  """Inside, norm-fed products are formed for a step that streams
+  `params` (their total bytes; arrays or tracers): what a decode loop
+  says around the step it traces."""
+  nbytes = sum(a.size * a.dtype.itemsize
+               for a in jax.tree_util.tree_leaves(params))
+  _WEIGHTS.append(int(nbytes))
+  try:
+    yield
+  finally:
+    _WEIGHTS.pop()

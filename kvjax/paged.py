@@ -89,6 +89,7 @@ from kvjax import errors
 from kvjax import inference
 from kvjax import kivi
 from kvjax import model
+from kvjax import norm_matvec
 from kvjax import packed
 from kvjax import params as params_lib
 from kvjax import quant
@@ -590,7 +591,8 @@ def _extend(params, config, tokens, mask, paged, write_table, pages):
                    donate_argnames=("paged",))
 def _decode(params, config, token, paged, write_table, pages):
   kv = open_pages(paged, write_table, pages, 1, jnp.ones_like(paged.length))
-  logits, kv = model.decode_logits(params, config, token, kv)
+  with norm_matvec.weights(params):
+    logits, kv = model.decode_logits(params, config, token, kv)
   return logits, close_pages(paged, kv, write_table)
 
 

@@ -15,6 +15,7 @@ from configs import model as model_presets
 import kvjax
 from kvjax.lab import benchmarking as bm
 from kvjax import norm_matvec
+from kvjax import params as params_lib
 
 
 class NormMatvecTest(absltest.TestCase):
@@ -31,6 +32,16 @@ class NormMatvecTest(absltest.TestCase):
     for form in norm_matvec.FORMS:
       self.assertGreater(t[form], 0.0)
       self.assertLess(t[form], 10.0)
+
+  def test_measure_times_a_resident_chain(self):
+    shape = norm_matvec.PROBE_SHAPES["resident"]
+    t = norm_matvec.measure(regime="resident", repeats=1)
+    self.assertEqual(t["nbytes"], norm_matvec.probe_bytes("resident"))
+    self.assertEqual(t["nbytes"] % (shape[0] * shape[1] * 4), 0)
+    for form in norm_matvec.FORMS:
+      self.assertGreater(t[form], 0.0)
+    with self.assertRaisesRegex(ValueError, "regime"):
+      norm_matvec.measure(regime="warm")
 
   def test_measure_refuses_less_than_one_weight(self):
     with self.assertRaisesRegex(ValueError, "nbytes"):
@@ -58,6 +69,20 @@ class NormMatvecTest(absltest.TestCase):
                            return_value=None):  # unknown: 2 x 256 MiB
       self.assertEqual(norm_matvec.probe_bytes(), 512 << 20)
 
+  def test_resident_probe_fits_a_quarter_of_the_cache(self):
+    for llc, want in ((300 << 20, 32 << 20), (32 << 20, 8 << 20),
+                      (4 << 20, 4 << 20)):
+      with mock.patch.object(norm_matvec, "last_level_cache_bytes",
+                             return_value=llc):
+        self.assertEqual(norm_matvec.probe_bytes("resident"), want)
+
+  def test_regime_from_the_weights_a_step_streams(self):
+    with mock.patch.object(norm_matvec, "last_level_cache_bytes",
+                           return_value=32 << 20):
+      self.assertEqual(norm_matvec.regime(16 << 20), "resident")
+      self.assertEqual(norm_matvec.regime((16 << 20) + 1), "streaming")
+      self.assertEqual(norm_matvec.regime(None), "streaming")
+
   def test_fused_only_where_measured_clearly_faster(self):
     cases = {(1.0, 1.5): "fused", (1.0, 1.01): "separate",
              (1.5, 1.0): "separate"}
@@ -68,7 +93,52 @@ class NormMatvecTest(absltest.TestCase):
               fused=fused_s, separate=separate_s, nbytes=1.0)) as m:
         self.assertEqual(norm_matvec.form(), want)
         self.assertEqual(norm_matvec.form(), want)
-        self.assertEqual(m.call_count, 1)  # once per process
+        self.assertEqual(m.call_count, 1)  # once per process and regime
+        self.assertEqual(m.call_args.kwargs["regime"], "streaming")
+
+  def test_each_regime_measured_once_and_chosen_by_weights(self):
+    def measure(regime):  # this host's way round: fused wins in the cache
+      fast = "fused" if regime == "resident" else "separate"
+      return {fast: 1.0, ({*norm_matvec.FORMS} - {fast}).pop(): 1.5,
+              "nbytes": 1.0}
+    small = {"w": jnp.zeros((8, 8))}
+    large = {"w": jax.ShapeDtypeStruct((1 << 20, 1 << 10), jnp.float32)}
+    with mock.patch.dict("os.environ", {norm_matvec.ENV: ""}), \
+        mock.patch.object(norm_matvec, "last_level_cache_bytes",
+                          return_value=32 << 20), \
+        mock.patch.object(norm_matvec, "measure",
+                          side_effect=measure) as m:
+      with norm_matvec.weights(small):
+        self.assertEqual(norm_matvec.form(), "fused")
+        with norm_matvec.weights(large):  # the innermost block
+          self.assertEqual(norm_matvec.form(), "separate")
+        self.assertEqual(norm_matvec.form(), "fused")
+      self.assertEqual(norm_matvec.form(), "separate")
+      self.assertEqual(m.call_count, 2)
+
+  def test_decode_loops_say_what_their_step_streams(self):
+    # generate and decode_step trace their steps inside `weights(params)`:
+    # a tiny model's norm-fed products are formed for resident weights.
+    config = kvjax.ModelConfig.from_dict(model_presets.model_dict("gqa",
+                                                                  "tiny"))
+    params = kvjax.init_params(config, jax.random.key(0))
+    pk = params_lib.pack(params, config)
+    tokens = jnp.ones((1, 4), jnp.int32)
+    asked = []
+    def measured(regime):
+      asked.append(regime)
+      return True
+    jax.clear_caches()
+    self.addCleanup(jax.clear_caches)
+    with mock.patch.dict("os.environ", {norm_matvec.ENV: ""}), \
+        mock.patch.object(norm_matvec, "_measured", side_effect=measured):
+      kvjax.generate(pk, config, tokens, max_new_tokens=3)
+      self.assertIn("resident", asked)
+      asked.clear()
+      _, cache = kvjax.prefill(pk, config, tokens,
+                               kvjax.init_cache(config, 1, 16))
+      kvjax.decode_step(pk, config, tokens[:, 0], cache)
+      self.assertEqual(set(asked), {"resident"})
 
   def test_measured_while_a_program_is_traced(self):
     # generate first asks while tracing its decode step: the probe must
