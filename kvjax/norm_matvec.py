@@ -43,6 +43,7 @@ import concurrent.futures
 import contextlib
 import functools
 import os
+import threading
 import time
 
 import jax
@@ -66,8 +67,18 @@ _DEFAULT_LLC = 256 << 20  # where the OS does not say
 _PROBE_LIMITS = {"streaming": (64 << 20, 1 << 30),
                  "resident": (4 << 20, 32 << 20)}
 
-_FORCED: list[bool] = []
-_WEIGHTS: list[int] = []
+
+class _Blocks(threading.local):
+  """The open `forced` and `weights` blocks of this thread (a trace in
+  another thread does not see them)."""
+
+  def __init__(self):
+    super().__init__()
+    self.forced: list[bool] = []
+    self.weights: list[int] = []
+
+
+_BLOCKS = _Blocks()
 
 
 def last_level_cache_bytes() -> int | None:
@@ -182,14 +193,14 @@ def form() -> str:
   """'fused' or 'separate': the form this process gives norm-fed
   matrix-vector products (`forced`, else $KVJAX_NORM_MATVEC, else
   measured once for the regime of the innermost `weights` block)."""
-  if _FORCED:
-    return "fused" if _FORCED[-1] else "separate"
+  if _BLOCKS.forced:
+    return "fused" if _BLOCKS.forced[-1] else "separate"
   env = os.environ.get(ENV, "")
   if env:
     if env not in FORMS:
       raise ValueError(f"{ENV} must be one of {FORMS}, got {env!r}")
     return env
-  streamed = _WEIGHTS[-1] if _WEIGHTS else None
+  streamed = _BLOCKS.weights[-1] if _BLOCKS.weights else None
   return "fused" if _measured(regime(streamed)) else "separate"
 
 
@@ -204,11 +215,11 @@ def forced(value: str):
   before keep the form they were compiled with."""
   if value not in FORMS:
     raise ValueError(f"value must be one of {FORMS}, got {value!r}")
-  _FORCED.append(value == "fused")
+  _BLOCKS.forced.append(value == "fused")
   try:
     yield
   finally:
-    _FORCED.pop()
+    _BLOCKS.forced.pop()
 
 
 @contextlib.contextmanager
@@ -218,8 +229,8 @@ def weights(params):
   says around the step it traces."""
   nbytes = sum(a.size * a.dtype.itemsize
                for a in jax.tree_util.tree_leaves(params))
-  _WEIGHTS.append(int(nbytes))
+  _BLOCKS.weights.append(int(nbytes))
   try:
     yield
   finally:
-    _WEIGHTS.pop()
+    _BLOCKS.weights.pop()

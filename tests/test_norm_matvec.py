@@ -3,6 +3,7 @@ once per process (or set by the environment, or forced in a block), the
 measurement times both forms over weights that stream from memory, and a
 bad setting is refused by name."""
 
+import threading
 from unittest import mock
 
 from absl.testing import absltest
@@ -162,6 +163,16 @@ class NormMatvecTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, "value"):
       with norm_matvec.forced("dot"):
         pass
+
+  def test_blocks_belong_to_their_thread(self):
+    seen = []
+    with mock.patch.dict("os.environ", {norm_matvec.ENV: "separate"}):
+      with norm_matvec.forced("fused"):
+        t = threading.Thread(target=lambda: seen.append(norm_matvec.form()))
+        t.start()
+        t.join()
+        self.assertEqual(norm_matvec.form(), "fused")
+    self.assertEqual(seen, ["separate"])
 
   def test_last_level_cache_is_positive_or_unknown(self):
     llc = norm_matvec.last_level_cache_bytes()
