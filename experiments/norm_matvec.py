@@ -8,16 +8,17 @@ on the decode steps it serves.
 
 First the process's own measurements (`norm_matvec.measure`, both forms,
 per regime: norm-fed weights totalling twice the last-level cache, and a
-chain that fits in a quarter of it) and the form each gives (environment
-overrides ignored). Then, per preset (its weights set its regime,
-`norm_matvec.regime`), batch-1 decode steps from `--position` cached tokens in each form
-with the read probe, each form in fresh subprocesses (a process compiles
-one form; beside the other the fused loop ran as fast as the dots),
-alternating over `--rounds` (`benchmarking.norm_matvec_forms`): ms per
-step, the fraction of the subprocess's read probe each reaches, and
-separate / fused speed. Prints a line per preset
-(also appended to norm_matvec.jsonl); writes norm_matvec.json and
-norm_matvec.png (read-probe fraction per preset and form).
+chain that fits in a quarter of it) and the form each gives
+(`norm_matvec.decide`, the rule a process applies to its own). Then, per
+preset (its weights set its regime, `norm_matvec.regime`), batch-1 decode
+steps from `--position` cached tokens in each form with the read probe,
+each form in fresh subprocesses (a process compiles one form; beside the
+other the fused loop ran as fast as the dots), alternating over
+`--rounds` (`benchmarking.norm_matvec_forms`): ms per step, the fraction
+of the subprocess's read probe each reaches, and separate / fused speed.
+Prints a line per preset (also appended to norm_matvec.jsonl); writes
+norm_matvec.json and norm_matvec.png (read-probe fraction per preset and
+form).
 """
 
 import json
@@ -30,7 +31,6 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 import jax
-import jax.numpy as jnp
 
 import kvjax
 from kvjax.lab import benchmarking as bm
@@ -65,9 +65,7 @@ def main(argv):
   probes, chosen = {}, {}
   for regime in norm_matvec.REGIMES:
     probes[regime] = p = norm_matvec.measure(regime=regime)
-    with norm_matvec.weights({"w": jax.ShapeDtypeStruct(
-        (int(p["nbytes"]) // 4,), jnp.float32)}):
-      chosen[regime] = norm_matvec.form()
+    chosen[regime] = norm_matvec.decide(p)
     print(f"measure {regime}: fused {1e3 * p['fused']:.3f} ms, separate "
           f"{1e3 * p['separate']:.3f} ms over {p['nbytes'] / 2**20:.0f} MiB "
           f"({p['nbytes'] / p['fused'] / 1e9:.1f} / "
@@ -79,10 +77,8 @@ def main(argv):
     r = bm.norm_matvec_forms(config, 1, _POSITION.value,
                              rounds=_ROUNDS.value, steps=_STEPS.value,
                              repeats=_REPEATS.value)
-    weight_bytes = sum(a.size * a.dtype.itemsize for a in
-                       jax.tree_util.tree_leaves(jax.eval_shape(
-                           lambda c=config: kvjax.init_params(
-                               c, jax.random.key(0)))))
+    weight_bytes = norm_matvec.nbytes(jax.eval_shape(
+        lambda c=config: kvjax.init_params(c, jax.random.key(0))))
     regime = norm_matvec.regime(weight_bytes)
     row = dict(preset=name, position=_POSITION.value,
                weight_bytes=weight_bytes, regime=regime,

@@ -186,7 +186,14 @@ def _measured(regime: str) -> bool:
   # state is per thread, so a fresh thread runs the probe eagerly.
   with concurrent.futures.ThreadPoolExecutor(1) as pool:
     t = pool.submit(measure, regime=regime).result()
-  return t["separate"] >= FUSED_MIN_SPEEDUP * t["fused"]
+  return decide(t) == "fused"
+
+
+def decide(times: dict[str, float]) -> str:
+  """The form a `measure` result gives: 'fused' where it is at least
+  `FUSED_MIN_SPEEDUP` faster, else 'separate'."""
+  return ("fused" if times["separate"] >= FUSED_MIN_SPEEDUP * times["fused"]
+          else "separate")
 
 
 def form() -> str:
@@ -222,14 +229,18 @@ def forced(value: str):
     _BLOCKS.forced.pop()
 
 
+def nbytes(params) -> int:
+  """Total bytes of a pytree's leaves (arrays, tracers or shape structs)."""
+  return int(sum(a.size * jnp.dtype(a.dtype).itemsize
+                 for a in jax.tree_util.tree_leaves(params)))
+
+
 @contextlib.contextmanager
 def weights(params):
   """Inside, norm-fed products are formed for a step that streams
   `params` (their total bytes; arrays or tracers): what a decode loop
   says around the step it traces."""
-  nbytes = sum(a.size * a.dtype.itemsize
-               for a in jax.tree_util.tree_leaves(params))
-  _BLOCKS.weights.append(int(nbytes))
+  _BLOCKS.weights.append(nbytes(params))
   try:
     yield
   finally:

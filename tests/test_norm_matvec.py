@@ -83,6 +83,9 @@ class NormMatvecTest(absltest.TestCase):
       self.assertEqual(norm_matvec.regime(16 << 20), "resident")
       self.assertEqual(norm_matvec.regime((16 << 20) + 1), "streaming")
       self.assertEqual(norm_matvec.regime(None), "streaming")
+    self.assertEqual(norm_matvec.nbytes(
+        {"a": jnp.zeros((3, 4)),
+         "b": jax.ShapeDtypeStruct((10,), jnp.bfloat16)}), 68)
 
   def test_fused_only_where_measured_clearly_faster(self):
     cases = {(1.0, 1.5): "fused", (1.0, 1.01): "separate",
@@ -96,6 +99,12 @@ class NormMatvecTest(absltest.TestCase):
         self.assertEqual(norm_matvec.form(), want)
         self.assertEqual(m.call_count, 1)  # once per process and regime
         self.assertEqual(m.call_args.kwargs["regime"], "streaming")
+
+  def test_decide_is_the_rule_applied_to_a_measurement(self):
+    self.assertEqual(norm_matvec.decide({"fused": 1.0, "separate": 1.05}),
+                     "fused")
+    self.assertEqual(norm_matvec.decide({"fused": 1.0, "separate": 1.02}),
+                     "separate")
 
   def test_each_regime_measured_once_and_chosen_by_weights(self):
     def measure(regime):  # this host's way round: fused wins in the cache
