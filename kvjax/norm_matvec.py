@@ -83,6 +83,11 @@ _BLOCKS = _Blocks()
 
 def last_level_cache_bytes() -> int | None:
   """The largest CPU cache the OS reports (Linux sysfs), or None."""
+  return _sysfs_largest_cache()
+
+
+@functools.cache  # asked at every norm-fed product a decode step traces
+def _sysfs_largest_cache() -> int | None:
   sizes = []
   base = "/sys/devices/system/cpu/cpu0/cache"
   try:
