@@ -76,7 +76,7 @@ def linear_t(x, w_oi, preferred_element_type=None, *,
   plainly, `x @ W.T`: XLA's CPU backend turns that matrix-vector product
   into one loop over the weight's rows, split across the cores, with the
   norm's multiplies fused in. Faster on some CPUs, slower on others
-  (medium's batch-1 decode: +5.6 % GQA on the AMD EPYC Zen 4; 1.12–1.24x
+  (medium's batch-1 decode: +5.6 % GQA on the AMD EPYC Zen 4; 1.10–1.26x
   slower on the Intel Xeon), so the form is measured per process
   (`kvjax.norm_matvec`). Not for inputs that cost work to make (the down
   product's SiLU, the attention's value product): the loop would redo that

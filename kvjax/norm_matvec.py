@@ -16,7 +16,7 @@ the last-level cache), the fused loop read 25–27 GB/s against 23 GB/s for
 the dot on the AMD EPYC Zen 4 (32 MiB L3; batch-1 decode +5.6 % GQA, +8.9 %
 MLA medium), while on the Intel Xeon (AVX-512, AMX, 300 MiB L3) it reads
 20 GB/s against the dot's 31 GB/s, so medium's batch-1 decode runs
-1.12–1.24x faster separate there (`experiments/norm_matvec.py`,
+1.10–1.26x faster separate there (`experiments/norm_matvec.py`,
 WORKSPACE.md). With the weights in the cache the Xeon turns the other way:
 the shipped 12 MB model decodes 1.15–1.4x faster fused.
 
