@@ -30,9 +30,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-import jax
 
-import kvjax
 from kvjax.lab import benchmarking as bm
 from kvjax import cli
 from kvjax import configs as cfg_lib
@@ -77,11 +75,8 @@ def main(argv):
     r = bm.norm_matvec_forms(config, 1, _POSITION.value,
                              rounds=_ROUNDS.value, steps=_STEPS.value,
                              repeats=_REPEATS.value)
-    weight_bytes = norm_matvec.nbytes(jax.eval_shape(
-        lambda c=config: kvjax.init_params(c, jax.random.key(0))))
-    regime = norm_matvec.regime(weight_bytes)
-    row = dict(preset=name, position=_POSITION.value,
-               weight_bytes=weight_bytes, regime=regime,
+    regime = norm_matvec.regime(r["weight_bytes"])
+    row = dict(preset=name, position=_POSITION.value, regime=regime,
                chosen=chosen[regime], **r)
     rows.append(row)
     partial.write(row)

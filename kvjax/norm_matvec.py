@@ -59,7 +59,6 @@ FUSED_MIN_SPEEDUP = 1.03
 # 12.6 MB) streaming, the shipped model's scale ([4D, D] at D 256, 1 MiB)
 # resident; repeated until the chain covers `probe_bytes`.
 PROBE_SHAPES = {"streaming": (4096, 768), "resident": (1024, 256)}
-PROBE_SHAPE = PROBE_SHAPES["streaming"]
 # Chain calls per timed sample: a resident chain takes ~0.1 ms, near the
 # dispatch cost, so it is timed over several calls.
 _CALLS = {"streaming": 1, "resident": 16}

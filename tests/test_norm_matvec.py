@@ -27,7 +27,7 @@ class NormMatvecTest(absltest.TestCase):
     self.addCleanup(norm_matvec._measured.cache_clear)
 
   def test_measure_times_both_forms(self):
-    per = norm_matvec.PROBE_SHAPE[0] * norm_matvec.PROBE_SHAPE[1] * 4
+    per = np.prod(norm_matvec.PROBE_SHAPES["streaming"]) * 4
     t = norm_matvec.measure(2 * per + 1, repeats=1)
     self.assertEqual(t["nbytes"], 2 * per)  # whole weights only
     for form in norm_matvec.FORMS:
@@ -153,7 +153,7 @@ class NormMatvecTest(absltest.TestCase):
   def test_measured_while_a_program_is_traced(self):
     # generate first asks while tracing its decode step: the probe must
     # still run eagerly, on concrete weights.
-    per = norm_matvec.PROBE_SHAPE[0] * norm_matvec.PROBE_SHAPE[1] * 4
+    per = np.prod(norm_matvec.PROBE_SHAPES["streaming"]) * 4
     with mock.patch.dict("os.environ", {norm_matvec.ENV: ""}), \
         mock.patch.object(norm_matvec, "probe_bytes", return_value=2 * per):
       out = jax.jit(lambda x: x + norm_matvec.fused())(jnp.zeros(()))
@@ -209,6 +209,8 @@ class NormMatvecTest(absltest.TestCase):
       self.assertGreater(r[form]["read_fraction"], 0.0)
       self.assertGreater(r[form]["probe_bytes_per_s"], 0.0)
     self.assertEqual(r["fused"]["bytes"], r["separate"]["bytes"])
+    self.assertEqual(r["weight_bytes"], norm_matvec.nbytes(
+        kvjax.init_params(config, jax.random.key(0))))
     self.assertGreater(r["separate_speedup"], 0.0)
 
 

@@ -771,8 +771,9 @@ def norm_matvec_forms(config: ModelConfig, batch: int, position: int, *,
   Returns:
     per form: step_s (median over rounds), bytes (`decode_bytes_per_step`),
     read_fraction (median over rounds of bytes / step / that subprocess's
-    probe), rounds (its per-round step_s); and separate_speedup (median
-    of per-round fused / separate step).
+    probe), rounds (its per-round step_s); separate_speedup (median of
+    per-round fused / separate step); weight_bytes (`config`'s params, what
+    sets `norm_matvec.regime`).
   """
   from kvjax import norm_matvec  # pylint: disable=g-import-not-at-top
   _check_counts(1, repeats)
@@ -804,6 +805,7 @@ def norm_matvec_forms(config: ModelConfig, batch: int, position: int, *,
                                             for o in outs))
   result["separate_speedup"] = statistics.median(paired_ratios(
       result["fused"]["rounds"], result["separate"]["rounds"]))
+  result["weight_bytes"] = norm_matvec.nbytes(params)
   return result
 
 
