@@ -2,7 +2,8 @@
 JAX primitives: XLA FFI custom calls, built on first use.
 
   out_BKGE = decode_attend(q_BKGD, k_tiles, v, mask_BS, scale,
-                           k_scale_BKS=None, v_scale_BKS=None)
+                           k_scale_BKS=None, v_scale_BKS=None,
+                           bf16_products='auto')
   o_lat_BNC = latent_attend(q_lat_BNC, q_rope_BNR, c_BSC, r_BSR, mask_BS,
                             scale, c_scale_BS=None, r_scale_BS=None)
                                         MLA's absorbed decode (`kvjax.mla`);
@@ -31,8 +32,10 @@ host has it, exact float sums of the same integers elsewhere); unlike
 `layered.int8_attend` the probabilities are not rounded: int8 values are
 converted in registers. Over bfloat16 keys and values (GQA's; not MLA's
 latents) the scaled query and the probabilities are rounded to bfloat16,
-FlashAttention's numerics, and the products are vdpbf16ps' (AVX-512 BF16;
-float multiply-adds of the same exact products elsewhere).
+FlashAttention's numerics; the products run as AVX-512 BF16's vdpbf16ps
+or as float32 multiply-adds of the same exact products in the same order
+(the same bits), whichever the host runs faster (`bf16_dot_products`:
+measured once per process; without AVX-512 BF16, multiply-adds).
 
 Why a kernel (the numbers: WORKSPACE.md "Quantized caches, and the
 cache-dominated regime"): XLA:CPU runs a decode step's per-(sequence, head)
@@ -82,6 +85,9 @@ LATENT_DTYPES = (jnp.dtype(jnp.float32), quant.BF16_BITS,  # MLA's latents
 TILE = 16  # slots per key tile (the kernel's register width)
 QUAD = 4  # int8 channels of a slot kept adjacent (one VNNI product)
 PAIR = 2  # bfloat16 channels of a slot kept adjacent (one vdpbf16ps)
+# The bfloat16 products' forms (the kernel's `Bf16Form`): 'auto' leaves
+# the choice to the kernel's measurement (`bf16_dot_products`).
+BF16_PRODUCTS = {"auto": 0, "dot": 1, "fma": 2}
 
 
 def group_width(dtype) -> int:
@@ -205,6 +211,20 @@ def available() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
+def bf16_dot_products() -> bool:
+  """Whether 'auto' runs the kernel's bfloat16 products as vdpbf16ps
+  rather than float32 multiply-adds: the kernel times both in registers
+  once per process and takes vdpbf16ps where it is ≥ 10 % faster per
+  product (Zen 4: issued as fast as a multiply-add, twice the products;
+  Intel Xeon Sapphire / Emerald Rapids: at a quarter of that rate, half the
+  products; WORKSPACE.md "Quantized caches, and the cache-dominated
+  regime"). False without AVX-512 BF16."""
+  _require("bf16_dot_products")
+  lib = ctypes.cdll.LoadLibrary(str(build()))
+  return bool(lib.KvjaxBf16DotProducts())
+
+
+@functools.lru_cache(maxsize=None)
 def preferred() -> bool:
   """Whether 'auto' decode takes the kernel: where it is available and the
   host has AVX-512 (`KVJAX_NATIVE=1` takes it wherever it builds).
@@ -252,7 +272,8 @@ def supports(k_dtype, v_dtype) -> str | None:
 
 
 def decode_attend(q_BKGD, k_tiles, v, mask_BS, scale: float,
-                  k_scale_BKS=None, v_scale_BKS=None):
+                  k_scale_BKS=None, v_scale_BKS=None,
+                  bf16_products: str = "auto"):
   """Decode attention of one query token per sequence (module docstring).
 
   Args:
@@ -263,12 +284,18 @@ def decode_attend(q_BKGD, k_tiles, v, mask_BS, scale: float,
     mask_BS: bool, True where a slot may be attended.
     scale: softmax scale.
     k_scale_BKS, v_scale_BKS: float32 per-token scales (int8 codes only).
+    bf16_products: over bfloat16 bits, how the products run: 'dot'
+      (vdpbf16ps, where the host has it), 'fma' (float32 multiply-adds) or
+      'auto' (`bf16_dot_products`); all three give the same bits.
   Returns:
     out_BKGE float32.
   Raises:
     ValueError: shapes or dtypes the kernel does not take.
     RuntimeError: the kernel is not available (`available`).
   """
+  if bf16_products not in BF16_PRODUCTS:
+    raise ValueError(f"decode_attend: bf16_products={bf16_products!r}, not "
+                     f"one of {sorted(BF16_PRODUCTS)}")
   _require("decode_attend")
   B, K, G, D = q_BKGD.shape
   if k_tiles.ndim != 5 or k_tiles.shape[-1] != TILE:
@@ -298,7 +325,8 @@ def decode_attend(q_BKGD, k_tiles, v, mask_BS, scale: float,
                           vmap_method="sequential")
   return call(q_BKGD.astype(jnp.float32), k_tiles, _scale_operand(k_scale_BKS),
               v, _scale_operand(v_scale_BKS), mask_BS.astype(jnp.bool_),
-              scale=np.float32(scale))
+              scale=np.float32(scale),
+              bf16_products=np.int64(BF16_PRODUCTS[bf16_products]))
 
 
 

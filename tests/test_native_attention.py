@@ -236,6 +236,32 @@ class KernelTest(parameterized.TestCase):
       np.testing.assert_array_equal(portable[name], np.asarray(out),
                                     err_msg=name)
 
+  @cases.product(G=(1, 4, 8), E=(32, 40))
+  def test_bf16_product_forms_give_the_same_bits(self, G, E):
+    # vdpbf16ps ('dot', where the host has AVX-512 BF16) and float32
+    # multiply-adds ('fma') add the same exact products in the same order;
+    # 'auto' takes one of them (`bf16_dot_products`). E = 40: value
+    # channels past the last 16; S = 304: a block's odd tile at its end.
+    B, K, D, S = 2, 2, 32, 304
+    q, k, v, _, _, k64, v64 = operands("bfloat16", B, K, G, D, E, S, seed=G)
+    mask = jnp.asarray(np.random.default_rng(E).random((B, S)) < 0.8)
+    outs = {form: np.asarray(native_attention.decode_attend(
+        q, k, v, mask, 0.25, bf16_products=form))
+            for form in native_attention.BF16_PRODUCTS}
+    np.testing.assert_array_equal(outs["dot"], outs["fma"])
+    np.testing.assert_array_equal(outs["auto"], outs["fma"])
+    np.testing.assert_allclose(
+        outs["fma"], reference(q, k64, v64, np.asarray(mask), 0.25,
+                               "bfloat16"), rtol=2e-5,
+        atol=atol("bfloat16", v64))
+    self.assertIsInstance(native_attention.bf16_dot_products(), bool)
+
+  def test_unknown_bf16_products_is_refused(self):
+    q, k, v, _, _, _, _ = operands("bfloat16", 1, 1, 2, 32, 32, 32)
+    with self.assertRaisesRegex(ValueError, "bf16_products"):
+      native_attention.decode_attend(q, k, v, jnp.ones((1, 32), bool), 1.0,
+                                     bf16_products="vnni")
+
   def test_masked_slots_contribute_nothing(self):
     # Huge values behind the mask change nothing.
     B, K, G, D, S = 2, 2, 4, 32, 256

@@ -47,6 +47,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -110,11 +111,21 @@ inline f16v load16(const float* p) {
   return r;
 }
 inline f16v load16(const uint16_t* p) {
+  f16v r;
+#if defined(__AVX512F__)
+  // One widening load and a shift (GCC splits the generic conversion into
+  // halves and reinserts them: three times the shuffles).
+  const __m512i w = _mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))),
+      16);
+  std::memcpy(&r, &w, sizeof(r));
+#else
   u16x16 u;
   std::memcpy(&u, p, sizeof(u));
   const u32x16 w = __builtin_convertvector(u, u32x16) << 16;
-  f16v r;
   std::memcpy(&r, &w, sizeof(r));
+#endif
   return r;
 }
 inline f16v load16(const int8_t* p) {
@@ -334,18 +345,95 @@ inline void unpair16(const uint32_t* p, f16v& even, f16v& odd) {
   std::memcpy(&odd, &hi, sizeof(odd));
 }
 
+// Whether the bfloat16 products run as AVX-512 BF16's vdpbf16ps (two
+// products a lane per instruction) or as float32 multiply-adds over keys
+// and values widened in registers (one a lane). Both add the same exact
+// products in the same order, so they give the same bits; which is faster
+// is the CPU's: Zen 4 issues vdpbf16ps as fast as a multiply-add, twice
+// the products, while on Intel's Xeons (Sapphire / Emerald Rapids) it
+// issues at a quarter of the multiply-add rate, half the products
+// (`dot_products_faster` measures it). 0: measure, 1: vdpbf16ps, 2: fma.
+enum Bf16Form : int64_t { kBf16Auto = 0, kBf16Dot = 1, kBf16Fma = 2 };
+
+#if defined(__AVX512BF16__)
+// Times 16 independent chains of vdpbf16ps against 32 of float32
+// multiply-adds (the same number of products) in registers, and says
+// whether the instruction is at least 10 % faster; once per process
+// (about a millisecond).
+bool dot_products_faster() {
+  static const bool faster = [] {
+    using clock = std::chrono::steady_clock;
+    auto best = [](auto&& body) {
+      double t = 1e30;
+      for (int rep = 0; rep < 5; ++rep) {
+        const auto t0 = clock::now();
+        body();
+        t = std::min(t, std::chrono::duration<double>(clock::now() - t0)
+                            .count());
+      }
+      return t;
+    };
+    constexpr int kIters = 4096;
+    volatile float sink = 0.0f;
+    const double dot = best([&] {
+      __m512 a[16];
+      for (auto& x : a) x = _mm512_setzero_ps();
+      __m512bh k = (__m512bh)_mm512_set1_epi32(0x3F803F80);
+      const __m512bh q = (__m512bh)_mm512_set1_epi32(0x3C003C00);
+      for (int it = 0; it < kIters; ++it) {
+        for (auto& x : a) x = _mm512_dpbf16_ps(x, k, q);
+        asm volatile("" : "+v"(k));
+      }
+      float r = 0.0f;
+      for (auto& x : a) r += _mm512_reduce_add_ps(x);
+      sink = r;
+    });
+    const double fma = best([&] {
+      __m512 a[16], c[16];
+      for (int i = 0; i < 16; ++i) a[i] = c[i] = _mm512_setzero_ps();
+      __m512 k = _mm512_set1_ps(1.0f);
+      const __m512 q = _mm512_set1_ps(1e-3f);
+      for (int it = 0; it < kIters; ++it) {
+        for (int i = 0; i < 16; ++i) {
+          a[i] = _mm512_fmadd_ps(k, q, a[i]);
+          c[i] = _mm512_fmadd_ps(k, q, c[i]);
+        }
+        asm volatile("" : "+v"(k));
+      }
+      float r = 0.0f;
+      for (int i = 0; i < 16; ++i) r += _mm512_reduce_add_ps(a[i] + c[i]);
+      sink = r;
+    });
+    (void)sink;
+    return dot * 1.1 < fma;
+  }();
+  return faster;
+}
+#endif
+
+// Whether `form` (Bf16Form) runs the bfloat16 products as vdpbf16ps.
+inline bool use_dot_products(int64_t form) {
+#if defined(__AVX512BF16__)
+  return form == kBf16Dot || (form == kBf16Auto && dot_products_faster());
+#else
+  (void)form;
+  return false;
+#endif
+}
+
 // `block_logits` over bfloat16 keys in pair tiles ([D/2, 16, 2] per tile of
 // 16 slots) for a query rounded to bfloat16 (`PairRows`, rows of this
-// tile): vdpbf16ps adds a pair's two products to each lane (the odd
-// channel's first, as the instruction does; each product is exact in
-// float32, so the portable path's multiply-adds in that order agree).
+// tile): each lane adds a pair's two products, the odd channel's first, as
+// vdpbf16ps does (`dot`); the fma form widens the pair (`unpair16`) and
+// multiply-adds it in that order (each product exact in float32, so the
+// two agree to the bit).
 template <int GN>
 inline void block_logits_pairs(const uint32_t* __restrict__ qw,
                                const float* __restrict__ qf, int64_t D,
                                const uint16_t* __restrict__ k,
                                const bool* __restrict__ mask, int64_t b0,
                                int64_t n, float* __restrict__ lg,
-                               float* __restrict__ bm) {
+                               float* __restrict__ bm, bool dot) {
   const int64_t D2 = D / 2;
   f16v vmax[GN];
   for (int g = 0; g < GN; ++g) vmax[g] = f16v{} + kLowest;
@@ -355,50 +443,80 @@ inline void block_logits_pairs(const uint32_t* __restrict__ qw,
   };
   int64_t j0 = 0;
 #if defined(__AVX512BF16__)
-  auto as_f16v = [](__m512 x) {
-    f16v r;
-    std::memcpy(&r, &x, sizeof(r));
-    return r;
-  };
+  if (dot) {
+    auto as_f16v = [](__m512 x) {
+      f16v r;
+      std::memcpy(&r, &x, sizeof(r));
+      return r;
+    };
+    for (; j0 + 2 * kLanes <= n; j0 += 2 * kLanes) {
+      __m512 a[GN], c[GN];
+      for (int g = 0; g < GN; ++g) a[g] = c[g] = _mm512_setzero_ps();
+      const uint16_t* kr = k + (b0 + j0) * D;
+      for (int64_t d2 = 0; d2 < D2; ++d2, kr += 2 * kLanes) {
+        prefetch_l2(kr + 2 * kBlock * D);
+        prefetch_l2(kr + 2 * kBlock * D + kLanes * D);
+        const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kr);
+        const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kr + kLanes * D);
+        for (int g = 0; g < GN; ++g) {
+          const __m512bh qv = (__m512bh)_mm512_set1_epi32(qw[g * D2 + d2]);
+          a[g] = _mm512_dpbf16_ps(a[g], k0, qv);
+          c[g] = _mm512_dpbf16_ps(c[g], k1, qv);
+        }
+      }
+      for (int g = 0; g < GN; ++g) {
+        finish(g, as_f16v(a[g]), j0);
+        finish(g, as_f16v(c[g]), j0 + kLanes);
+      }
+    }
+    for (; j0 < n; j0 += kLanes) {
+      __m512 a[GN];
+      for (int g = 0; g < GN; ++g) a[g] = _mm512_setzero_ps();
+      const uint16_t* kr = k + (b0 + j0) * D;
+      for (int64_t d2 = 0; d2 < D2; ++d2, kr += 2 * kLanes) {
+        const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kr);
+        for (int g = 0; g < GN; ++g)
+          a[g] = _mm512_dpbf16_ps(
+              a[g], k0, (__m512bh)_mm512_set1_epi32(qw[g * D2 + d2]));
+      }
+      for (int g = 0; g < GN; ++g) finish(g, as_f16v(a[g]), j0);
+    }
+    for (int g = 0; g < GN; ++g) bm[g] = hmax(vmax[g]);
+    return;
+  }
+#else
+  (void)qw;
+  (void)dot;
+#endif
+  // Two tiles at a time (2 × GN independent sums: the multiply-add latency).
   for (; j0 + 2 * kLanes <= n; j0 += 2 * kLanes) {
-    __m512 a[GN], c[GN];
-    for (int g = 0; g < GN; ++g) a[g] = c[g] = _mm512_setzero_ps();
+    f16v a[GN], c[GN];
+    for (int g = 0; g < GN; ++g) a[g] = c[g] = f16v{};
     const uint16_t* kr = k + (b0 + j0) * D;
     for (int64_t d2 = 0; d2 < D2; ++d2, kr += 2 * kLanes) {
       prefetch_l2(kr + 2 * kBlock * D);
       prefetch_l2(kr + 2 * kBlock * D + kLanes * D);
-      const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kr);
-      const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kr + kLanes * D);
+      f16v e0, o0, e1, o1;
+      unpair16(reinterpret_cast<const uint32_t*>(kr), e0, o0);
+      unpair16(reinterpret_cast<const uint32_t*>(kr + kLanes * D), e1, o1);
       for (int g = 0; g < GN; ++g) {
-        const __m512bh qv = (__m512bh)_mm512_set1_epi32(qw[g * D2 + d2]);
-        a[g] = _mm512_dpbf16_ps(a[g], k0, qv);
-        c[g] = _mm512_dpbf16_ps(c[g], k1, qv);
+        const float qo = qf[g * D + 2 * d2 + 1], qe = qf[g * D + 2 * d2];
+        a[g] += qo * o0;
+        a[g] += qe * e0;
+        c[g] += qo * o1;
+        c[g] += qe * e1;
       }
     }
     for (int g = 0; g < GN; ++g) {
-      finish(g, as_f16v(a[g]), j0);
-      finish(g, as_f16v(c[g]), j0 + kLanes);
+      finish(g, a[g], j0);
+      finish(g, c[g], j0 + kLanes);
     }
   }
-  for (; j0 < n; j0 += kLanes) {
-    __m512 a[GN];
-    for (int g = 0; g < GN; ++g) a[g] = _mm512_setzero_ps();
-    const uint16_t* kr = k + (b0 + j0) * D;
-    for (int64_t d2 = 0; d2 < D2; ++d2, kr += 2 * kLanes) {
-      const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kr);
-      for (int g = 0; g < GN; ++g)
-        a[g] = _mm512_dpbf16_ps(
-            a[g], k0, (__m512bh)_mm512_set1_epi32(qw[g * D2 + d2]));
-    }
-    for (int g = 0; g < GN; ++g) finish(g, as_f16v(a[g]), j0);
-  }
-#else
-  for (; j0 < n; j0 += kLanes) {
+  for (; j0 < n; j0 += kLanes) {  // an odd tile at the block's end
     f16v a[GN];
     for (int g = 0; g < GN; ++g) a[g] = f16v{};
     const uint16_t* kr = k + (b0 + j0) * D;
     for (int64_t d2 = 0; d2 < D2; ++d2, kr += 2 * kLanes) {
-      prefetch_l2(kr + 2 * kBlock * D);
       f16v even, odd;
       unpair16(reinterpret_cast<const uint32_t*>(kr), even, odd);
       for (int g = 0; g < GN; ++g) {
@@ -408,120 +526,148 @@ inline void block_logits_pairs(const uint32_t* __restrict__ qw,
     }
     for (int g = 0; g < GN; ++g) finish(g, a[g], j0);
   }
-#endif
   for (int g = 0; g < GN; ++g) bm[g] = hmax(vmax[g]);
 }
 
 // acc[g][e] += sum_j p[g][j] · v[j][e] over bfloat16 values [S, E], two
-// slots at a time: their rows interleaved in a register (vpermt2w) into
-// channel pairs for vdpbf16ps, the probabilities rounded to bfloat16 pairs
-// (FlashAttention rounds P so for its P·V product; the softmax's sum l is
-// taken before the rounding, in float32). n is even (blocks are whole
-// tiles of 16 slots).
+// slots at a time, the probabilities rounded to bfloat16 (FlashAttention
+// rounds P so for its P·V product; the softmax's sum l is taken before the
+// rounding, in float32), the odd slot's product first. `dot`: the two
+// slots' rows interleaved in a register (vpermt2w) into channel pairs for
+// vdpbf16ps; else float32 multiply-adds over the widened rows (the same
+// exact products in the same order: the same bits). n is even (blocks are
+// whole tiles of 16 slots).
 template <int GN>
 inline void block_values_pairs(const float* __restrict__ p,
                                const uint16_t* __restrict__ v, int64_t E,
                                int64_t b0, int64_t n,
-                               float* __restrict__ acc) {
-  constexpr int64_t kPairs = kBlock / 2;
-  alignas(64) uint32_t pw[GN * kPairs];
-  // 32 slots' probabilities at a time, rounded as `bf16_bits` and paired
-  // (word i: slots 2i, 2i + 1) in vector registers; a block's last 16
-  // slots with zeros after them.
-  constexpr i32x16 even = {0, 2, 4, 6, 8, 10, 12, 14,
-                           16, 18, 20, 22, 24, 26, 28, 30};
-  constexpr i32x16 odd = even + 1;
+                               float* __restrict__ acc, bool dot) {
+  const uint16_t* vb = v + b0 * E;
   auto rounded = [](const float* x) {
     u32x16 u;
     std::memcpy(&u, x, sizeof(u));
     return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
   };
-  for (int g = 0; g < GN; ++g)
-    for (int64_t j = 0; j < n; j += 2 * kLanes) {
-      const u32x16 a = rounded(p + g * kBlock + j);
-      const u32x16 b = j + kLanes < n ? rounded(p + g * kBlock + j + kLanes)
-                                      : u32x16{};
-      const u32x16 w = __builtin_shuffle(a, b, even) |
-                       __builtin_shuffle(a, b, odd) << 16;
-      std::memcpy(pw + g * kPairs + j / 2, &w, sizeof(w));
-    }
-  const uint16_t* vb = v + b0 * E;
 #if defined(__AVX512BF16__)
-  // Element 2i of the pair vector: slot j's channel i; 2i + 1: slot j + 1's.
-  alignas(64) static constexpr uint16_t kInterleave[32] = {
-      0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-      8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-  const __m512i interleave = _mm512_load_si512(kInterleave);
-  auto pair_rows = [&](const uint16_t* r) {
-    const __m512i lo = _mm512_castsi256_si512(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r)));
-    const __m512i hi = _mm512_castsi256_si512(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + E)));
-    return (__m512bh)_mm512_permutex2var_epi16(lo, interleave, hi);
-  };
+  if (dot) {
+    constexpr int64_t kPairs = kBlock / 2;
+    alignas(64) uint32_t pw[GN * kPairs];
+    // 32 slots' probabilities at a time, rounded as `bf16_bits` and paired
+    // (word i: slots 2i, 2i + 1) in vector registers; a block's last 16
+    // slots with zeros after them.
+    constexpr i32x16 even = {0, 2, 4, 6, 8, 10, 12, 14,
+                             16, 18, 20, 22, 24, 26, 28, 30};
+    constexpr i32x16 odd = even + 1;
+    for (int g = 0; g < GN; ++g)
+      for (int64_t j = 0; j < n; j += 2 * kLanes) {
+        const u32x16 a = rounded(p + g * kBlock + j);
+        const u32x16 b = j + kLanes < n
+                             ? rounded(p + g * kBlock + j + kLanes)
+                             : u32x16{};
+        const u32x16 w = __builtin_shuffle(a, b, even) |
+                         __builtin_shuffle(a, b, odd) << 16;
+        std::memcpy(pw + g * kPairs + j / 2, &w, sizeof(w));
+      }
+    // Element 2i of the pair vector: slot j's channel i; 2i + 1: slot
+    // j + 1's.
+    alignas(64) static constexpr uint16_t kInterleave[32] = {
+        0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+        8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+    const __m512i interleave = _mm512_load_si512(kInterleave);
+    auto pair_rows = [&](const uint16_t* r) {
+      const __m512i lo = _mm512_castsi256_si512(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r)));
+      const __m512i hi = _mm512_castsi256_si512(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + E)));
+      return (__m512bh)_mm512_permutex2var_epi16(lo, interleave, hi);
+    };
+    int64_t e0 = 0;
+    for (; e0 + kLanes <= E; e0 += kLanes) {
+      const uint16_t* vr = vb + e0;
+      __m512 a[GN], c[GN];
+      for (int g = 0; g < GN; ++g) {
+        a[g] = _mm512_loadu_ps(acc + g * E + e0);
+        c[g] = _mm512_setzero_ps();
+      }
+      int64_t i = 0;
+      // Two slot pairs at a time into separate sums (the latency).
+      for (; i + 2 <= n / 2; i += 2, vr += 4 * E) {
+        for (int r = 0; r < 4; ++r) prefetch_l2(vr + 2 * kBlock * E + r * E);
+        const __m512bh v0 = pair_rows(vr), v1 = pair_rows(vr + 2 * E);
+        for (int g = 0; g < GN; ++g) {
+          a[g] = _mm512_dpbf16_ps(
+              a[g], v0, (__m512bh)_mm512_set1_epi32(pw[g * kPairs + i]));
+          c[g] = _mm512_dpbf16_ps(
+              c[g], v1, (__m512bh)_mm512_set1_epi32(pw[g * kPairs + i + 1]));
+        }
+      }
+      for (; i < n / 2; ++i, vr += 2 * E) {
+        const __m512bh v0 = pair_rows(vr);
+        for (int g = 0; g < GN; ++g)
+          a[g] = _mm512_dpbf16_ps(
+              a[g], v0, (__m512bh)_mm512_set1_epi32(pw[g * kPairs + i]));
+      }
+      for (int g = 0; g < GN; ++g)
+        _mm512_storeu_ps(acc + g * E + e0, _mm512_add_ps(a[g], c[g]));
+    }
+    for (; e0 < E; ++e0)  // channels past the last multiple of 16
+      for (int g = 0; g < GN; ++g)
+        for (int64_t i = 0; i < n / 2; ++i) {
+          const uint32_t w = pw[g * kPairs + i];
+          const uint16_t* r = vb + 2 * i * E + e0;
+          acc[g * E + e0] += bf16_float(w >> 16) * load1(r[E]);
+          acc[g * E + e0] += bf16_float(w & 0xFFFFu) * load1(r[0]);
+        }
+    return;
+  }
+#else
+  (void)dot;
 #endif
+  // The probabilities rounded to bfloat16, as floats (one broadcast
+  // operand of a multiply-add each).
+  alignas(64) float pf[GN * kBlock];
+  for (int g = 0; g < GN; ++g)
+    for (int64_t j = 0; j < n; j += kLanes) {
+      const u32x16 w = rounded(p + g * kBlock + j) << 16;
+      std::memcpy(pf + g * kBlock + j, &w, sizeof(w));
+    }
   int64_t e0 = 0;
   for (; e0 + kLanes <= E; e0 += kLanes) {
-    const uint16_t* vr = vb + e0;
-#if defined(__AVX512BF16__)
-    __m512 a[GN], c[GN];
-    for (int g = 0; g < GN; ++g) {
-      a[g] = _mm512_loadu_ps(acc + g * E + e0);
-      c[g] = _mm512_setzero_ps();
-    }
-    int64_t i = 0;
-    // Two slot pairs at a time into separate sums (the latency).
-    for (; i + 2 <= n / 2; i += 2, vr += 4 * E) {
-      for (int r = 0; r < 4; ++r) prefetch_l2(vr + 2 * kBlock * E + r * E);
-      const __m512bh v0 = pair_rows(vr), v1 = pair_rows(vr + 2 * E);
-      for (int g = 0; g < GN; ++g) {
-        a[g] = _mm512_dpbf16_ps(
-            a[g], v0, (__m512bh)_mm512_set1_epi32(pw[g * kPairs + i]));
-        c[g] = _mm512_dpbf16_ps(
-            c[g], v1, (__m512bh)_mm512_set1_epi32(pw[g * kPairs + i + 1]));
-      }
-    }
-    for (; i < n / 2; ++i, vr += 2 * E) {
-      const __m512bh v0 = pair_rows(vr);
-      for (int g = 0; g < GN; ++g)
-        a[g] = _mm512_dpbf16_ps(
-            a[g], v0, (__m512bh)_mm512_set1_epi32(pw[g * kPairs + i]));
-    }
-    for (int g = 0; g < GN; ++g)
-      _mm512_storeu_ps(acc + g * E + e0, _mm512_add_ps(a[g], c[g]));
-#else
-    // The same sums in the same order as the vdpbf16ps loop above (each
-    // product exact in float32; the odd slot's first, as the instruction).
     f16v a[GN], c[GN];
     for (int g = 0; g < GN; ++g) {
       a[g] = load16(acc + g * E + e0);
       c[g] = f16v{};
     }
-    auto pair_row = [&](f16v* sums, int64_t i, const uint16_t* r) {
-      const f16v even_v = load16(r), odd_v = load16(r + E);
-      for (int g = 0; g < GN; ++g) {
-        const uint32_t w = pw[g * kPairs + i];
-        sums[g] += bf16_float(w >> 16) * odd_v;
-        sums[g] += bf16_float(w & 0xFFFFu) * even_v;
-      }
-    };
-    int64_t i = 0;
-    for (; i + 2 <= n / 2; i += 2, vr += 4 * E) {
+    const uint16_t* vr = vb + e0;
+    int64_t j = 0;
+    // Two slot pairs at a time into separate sums (the latency).
+    for (; j + 4 <= n; j += 4, vr += 4 * E) {
       for (int r = 0; r < 4; ++r) prefetch_l2(vr + 2 * kBlock * E + r * E);
-      pair_row(a, i, vr);
-      pair_row(c, i + 1, vr + 2 * E);
+      const f16v v0 = load16(vr), v1 = load16(vr + E);
+      const f16v v2 = load16(vr + 2 * E), v3 = load16(vr + 3 * E);
+      for (int g = 0; g < GN; ++g) {
+        const float* pg = pf + g * kBlock + j;
+        a[g] += pg[1] * v1;
+        a[g] += pg[0] * v0;
+        c[g] += pg[3] * v3;
+        c[g] += pg[2] * v2;
+      }
     }
-    for (; i < n / 2; ++i, vr += 2 * E) pair_row(a, i, vr);
+    for (; j < n; j += 2, vr += 2 * E) {
+      const f16v v0 = load16(vr), v1 = load16(vr + E);
+      for (int g = 0; g < GN; ++g) {
+        a[g] += pf[g * kBlock + j + 1] * v1;
+        a[g] += pf[g * kBlock + j] * v0;
+      }
+    }
     for (int g = 0; g < GN; ++g) store16(acc + g * E + e0, a[g] + c[g]);
-#endif
   }
   for (; e0 < E; ++e0)  // channels past the last multiple of 16
     for (int g = 0; g < GN; ++g)
-      for (int64_t i = 0; i < n / 2; ++i) {
-        const uint32_t w = pw[g * kPairs + i];
-        const uint16_t* r = vb + 2 * i * E + e0;
-        acc[g * E + e0] += bf16_float(w >> 16) * load1(r[E]);
-        acc[g * E + e0] += bf16_float(w & 0xFFFFu) * load1(r[0]);
+      for (int64_t j = 0; j < n; j += 2) {
+        const uint16_t* r = vb + j * E + e0;
+        acc[g * E + e0] += pf[g * kBlock + j + 1] * load1(r[E]);
+        acc[g * E + e0] += pf[g * kBlock + j] * load1(r[0]);
       }
 }
 
@@ -940,7 +1086,7 @@ template <int GN, typename T, bool value_ahead, bool pair_values,
 void attend_tile(const Logits& logits, const T* __restrict__ v,
                  const float* __restrict__ v_scale, int64_t E, int64_t s0,
                  int64_t s1, float* __restrict__ m, float* __restrict__ l,
-                 float* __restrict__ acc) {
+                 float* __restrict__ acc, bool dot = false) {
   alignas(64) float lg[GN * kBlock];
   float bm[GN];
   for (int64_t b0 = s0; b0 < s1; b0 += kBlock) {
@@ -974,7 +1120,7 @@ void attend_tile(const Logits& logits, const T* __restrict__ v,
       m[g] = m_new;
     }
     if constexpr (pair_values) {
-      block_values_pairs<GN>(lg, v, E, b0, n, acc);
+      block_values_pairs<GN>(lg, v, E, b0, n, acc, dot);
     } else {
       block_values<GN, T, value_ahead>(lg, v, E, b0, n, acc);
     }
@@ -986,21 +1132,21 @@ void gqa_tile(const float* qg, const QuadQuery& quads, const uint32_t* qw,
               const float* qf, const T* k, const float* k_scale, const T* v,
               const float* v_scale, const bool* mask, int64_t D, int64_t E,
               int64_t S, int64_t s0, int64_t s1, float* m, float* l,
-              float* acc) {
-  // bfloat16 (bits, uint16): keys in pair tiles, values paired two slots
-  // at a time in registers.
+              float* acc, bool dot) {
+  // bfloat16 (bits, uint16): keys in pair tiles, values two slots at a
+  // time; `dot`: their products as vdpbf16ps (`Bf16Form`).
   constexpr bool pairs = std::is_same_v<T, uint16_t>;
   attend_tile<GN, T, true, pairs>(
       [&](int64_t b0, int64_t n, float* lg, float* bm) {
         if constexpr (std::is_same_v<T, int8_t>) {
           block_logits_quads<GN>(quads, D, k, k_scale, mask, b0, n, lg, bm);
         } else if constexpr (pairs) {
-          block_logits_pairs<GN>(qw, qf, D, k, mask, b0, n, lg, bm);
+          block_logits_pairs<GN>(qw, qf, D, k, mask, b0, n, lg, bm, dot);
         } else {
           block_logits<GN, T>(qg, D, k, k_scale, mask, b0, n, lg, bm);
         }
       },
-      v, v_scale, E, s0, s1, m, l, acc);
+      v, v_scale, E, s0, s1, m, l, acc, dot);
 }
 
 template <int GN, typename T>
@@ -1043,7 +1189,7 @@ void attend_range(const float* q, const float* qb, const T* k,
                   const float* k_scale, const T* v, const float* v_scale,
                   const bool* mask, int64_t G, int64_t D, int64_t R,
                   int64_t E, int64_t S, int64_t s0, int64_t s1, float scale,
-                  Partial& out) {
+                  bool dot, Partial& out) {
   out.m.assign(G, -std::numeric_limits<float>::infinity());
   out.l.assign(G, 0.0f);
   out.acc.assign(G * E, 0.0f);
@@ -1096,7 +1242,7 @@ void attend_range(const float* q, const float* qb, const T* k,
                           pairs ? rp.words.data() + g0 * D / 2 : nullptr,
                           pairs ? rp.floats.data() + g0 * D : nullptr, k,
                           k_scale, v, v_scale, mask, D, E, S, b0, b1, m, l,
-                          acc);
+                          acc, dot);
         }
       });
     }
@@ -1140,7 +1286,7 @@ void attend_all(ffi::ThreadPool& pool, const float* q, const float* qb,
                 const T* k, const float* k_scale, const T* v,
                 const float* v_scale, const bool* mask, float* out, int64_t B,
                 int64_t K, int64_t G, int64_t D, int64_t R, int64_t E,
-                int64_t S, float scale) {
+                int64_t S, float scale, bool dot = false) {
   // Chunks split the slots when there are fewer (sequence, head) pairs than
   // twice the threads, so that batch 1 uses every core.
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
@@ -1159,7 +1305,7 @@ void attend_all(ffi::ThreadPool& pool, const float* q, const float* qb,
                     k_scale != nullptr ? k_scale + p * S : nullptr,
                     v + p * v_pair,
                     v_scale != nullptr ? v_scale + p * S : nullptr,
-                    mask + (p / K) * S, G, D, R, E, S, s0, s1, scale,
+                    mask + (p / K) * S, G, D, R, E, S, s0, s1, scale, dot,
                     parts[t]);
   });
   for (int64_t p = 0; p < pairs; ++p) {
@@ -1187,10 +1333,10 @@ template <typename T>
 ffi::Error run(ffi::ThreadPool& pool, const float* q, const void* k,
                const float* ks, const void* v, const float* vs,
                const bool* mask, float* out, int64_t B, int64_t K, int64_t G,
-               int64_t D, int64_t E, int64_t S, float scale) {
+               int64_t D, int64_t E, int64_t S, float scale, bool dot) {
   attend_all<T>(pool, q, nullptr, static_cast<const T*>(k), ks,
                 static_cast<const T*>(v), vs, mask, out, B, K, G, D, 0, E, S,
-                scale);
+                scale, dot);
   return ffi::Error::Success();
 }
 
@@ -1200,8 +1346,11 @@ static ffi::Error DecodeAttentionImpl(
     ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
     ffi::Buffer<ffi::F32> k_scale, ffi::AnyBuffer v,
     ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::PRED> mask,
-    ffi::ResultBuffer<ffi::F32> out, float scale) {
+    ffi::ResultBuffer<ffi::F32> out, float scale, int64_t bf16_products) {
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  if (bf16_products < kBf16Auto || bf16_products > kBf16Fma)
+    return ffi::Error::InvalidArgument("bf16_products: 0, 1 or 2");
+  const bool dot = use_dot_products(bf16_products);
   if (qd.size() != 4 || vd.size() != 4)
     return ffi::Error::InvalidArgument("q and v must be rank 4");
   if (kd.size() != 5 || kd[4] != kLanes)
@@ -1235,13 +1384,13 @@ static ffi::Error DecodeAttentionImpl(
   switch (k.element_type()) {
     case ffi::F32:
       return run<float>(pool, qp, k.untyped_data(), ks, v.untyped_data(), vs,
-                        mp, op, B, K, G, D, E, S, scale);
+                        mp, op, B, K, G, D, E, S, scale, dot);
     case ffi::U16:  // bfloat16 bits (kvjax.quant stores bfloat16 so)
       return run<uint16_t>(pool, qp, k.untyped_data(), ks, v.untyped_data(),
-                           vs, mp, op, B, K, G, D, E, S, scale);
+                           vs, mp, op, B, K, G, D, E, S, scale, dot);
     case ffi::S8:
       return run<int8_t>(pool, qp, k.untyped_data(), ks, v.untyped_data(), vs,
-                         mp, op, B, K, G, D, E, S, scale);
+                         mp, op, B, K, G, D, E, S, scale, dot);
     default:
       return ffi::Error::InvalidArgument(
           "k: f32, u16 (bfloat16 bits) or s8");
@@ -1331,4 +1480,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxDecodeAttention, DecodeAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()   // v_scale
                                   .Arg<ffi::Buffer<ffi::PRED>>()  // mask
                                   .Ret<ffi::Buffer<ffi::F32>>()   // out
-                                  .Attr<float>("scale"));
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("bf16_products"));
+
+// Whether the bfloat16 products run as vdpbf16ps where the caller leaves
+// the form to the kernel (`bf16_products` 0): 1 if so, 0 if they run as
+// float32 multiply-adds (measured once per process; always 0 in a build
+// without AVX-512 BF16).
+extern "C" int KvjaxBf16DotProducts() { return use_dot_products(kBf16Auto); }
