@@ -34,8 +34,9 @@ converted in registers. Over bfloat16 keys and values (GQA's; not MLA's
 latents) the scaled query and the probabilities are rounded to bfloat16,
 FlashAttention's numerics; the products run as AVX-512 BF16's vdpbf16ps
 or as float32 multiply-adds of the same exact products in the same order
-(the same bits), whichever the host runs faster (`bf16_dot_products`:
-measured once per process; without AVX-512 BF16, multiply-adds).
+(the same bits), whichever the host runs faster for the query group
+(`bf16_dot_products`: measured once per process; without AVX-512 BF16,
+multiply-adds).
 
 Why a kernel (the numbers: WORKSPACE.md "Quantized caches, and the
 cache-dominated regime"): XLA:CPU runs a decode step's per-(sequence, head)
@@ -213,12 +214,14 @@ def available() -> bool:
 @functools.lru_cache(maxsize=None)
 def bf16_dot_products() -> bool:
   """Whether 'auto' runs the kernel's bfloat16 products as vdpbf16ps
-  rather than float32 multiply-adds: the kernel times both in registers
-  once per process and takes vdpbf16ps where it is ≥ 10 % faster per
-  product (Zen 4: issued as fast as a multiply-add, twice the products;
-  Intel Xeon Sapphire / Emerald Rapids: at a quarter of that rate, half the
+  rather than float32 multiply-adds for query tiles of 4 or more rows
+  (GQA's and MQA's groups): the kernel times both in registers once per
+  process and takes vdpbf16ps where it is ≥ 10 % faster per product (Zen
+  4: issued as fast as a multiply-add, twice the products; Intel Xeon
+  Sapphire / Emerald Rapids: at a quarter of that rate, half the
   products; WORKSPACE.md "Quantized caches, and the cache-dominated
-  regime"). False without AVX-512 BF16."""
+  regime"). Tiles of 1-3 rows (MHA) are bound by the bytes they read and
+  take vdpbf16ps wherever the host has it. False without AVX-512 BF16."""
   _require("bf16_dot_products")
   lib = ctypes.cdll.LoadLibrary(str(build()))
   return bool(lib.KvjaxBf16DotProducts())

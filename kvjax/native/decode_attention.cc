@@ -411,12 +411,24 @@ bool dot_products_faster() {
 }
 #endif
 
-// Whether `form` (Bf16Form) runs the bfloat16 products as vdpbf16ps.
-inline bool use_dot_products(int64_t form) {
+// Query rows from which 'auto' takes the measured form: below it the step
+// is bound by the bytes it reads, and vdpbf16ps' fewer instructions were
+// the faster on the Intel Xeon too (in the step at 1 row, MHA: 1.06x;
+// alone at 2 rows: 1.04x), while from 4 rows the multiply-adds were (1.2x
+// at 4 rows, 1.4x at 8; WORKSPACE.md "Quantized caches, and the
+// cache-dominated regime").
+constexpr int kMeasuredFromRows = 4;
+
+// Whether `form` (Bf16Form) runs the bfloat16 products of a tile of `rows`
+// query rows as vdpbf16ps.
+inline bool use_dot_products(int64_t form, int rows) {
 #if defined(__AVX512BF16__)
-  return form == kBf16Dot || (form == kBf16Auto && dot_products_faster());
+  return form == kBf16Dot ||
+         (form == kBf16Auto &&
+          (rows < kMeasuredFromRows || dot_products_faster()));
 #else
   (void)form;
+  (void)rows;
   return false;
 #endif
 }
@@ -1189,7 +1201,7 @@ void attend_range(const float* q, const float* qb, const T* k,
                   const float* k_scale, const T* v, const float* v_scale,
                   const bool* mask, int64_t G, int64_t D, int64_t R,
                   int64_t E, int64_t S, int64_t s0, int64_t s1, float scale,
-                  bool dot, Partial& out) {
+                  int64_t bf16_form, Partial& out) {
   out.m.assign(G, -std::numeric_limits<float>::infinity());
   out.l.assign(G, 0.0f);
   out.acc.assign(G * E, 0.0f);
@@ -1242,7 +1254,7 @@ void attend_range(const float* q, const float* qb, const T* k,
                           pairs ? rp.words.data() + g0 * D / 2 : nullptr,
                           pairs ? rp.floats.data() + g0 * D : nullptr, k,
                           k_scale, v, v_scale, mask, D, E, S, b0, b1, m, l,
-                          acc, dot);
+                          acc, pairs && use_dot_products(bf16_form, GN));
         }
       });
     }
@@ -1286,7 +1298,7 @@ void attend_all(ffi::ThreadPool& pool, const float* q, const float* qb,
                 const T* k, const float* k_scale, const T* v,
                 const float* v_scale, const bool* mask, float* out, int64_t B,
                 int64_t K, int64_t G, int64_t D, int64_t R, int64_t E,
-                int64_t S, float scale, bool dot = false) {
+                int64_t S, float scale, int64_t bf16_form = kBf16Auto) {
   // Chunks split the slots when there are fewer (sequence, head) pairs than
   // twice the threads, so that batch 1 uses every core.
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
@@ -1305,8 +1317,8 @@ void attend_all(ffi::ThreadPool& pool, const float* q, const float* qb,
                     k_scale != nullptr ? k_scale + p * S : nullptr,
                     v + p * v_pair,
                     v_scale != nullptr ? v_scale + p * S : nullptr,
-                    mask + (p / K) * S, G, D, R, E, S, s0, s1, scale, dot,
-                    parts[t]);
+                    mask + (p / K) * S, G, D, R, E, S, s0, s1, scale,
+                    bf16_form, parts[t]);
   });
   for (int64_t p = 0; p < pairs; ++p) {
     for (int64_t g = 0; g < G; ++g) {
@@ -1333,10 +1345,11 @@ template <typename T>
 ffi::Error run(ffi::ThreadPool& pool, const float* q, const void* k,
                const float* ks, const void* v, const float* vs,
                const bool* mask, float* out, int64_t B, int64_t K, int64_t G,
-               int64_t D, int64_t E, int64_t S, float scale, bool dot) {
+               int64_t D, int64_t E, int64_t S, float scale,
+               int64_t bf16_form) {
   attend_all<T>(pool, q, nullptr, static_cast<const T*>(k), ks,
                 static_cast<const T*>(v), vs, mask, out, B, K, G, D, 0, E, S,
-                scale, dot);
+                scale, bf16_form);
   return ffi::Error::Success();
 }
 
@@ -1350,7 +1363,6 @@ static ffi::Error DecodeAttentionImpl(
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
   if (bf16_products < kBf16Auto || bf16_products > kBf16Fma)
     return ffi::Error::InvalidArgument("bf16_products: 0, 1 or 2");
-  const bool dot = use_dot_products(bf16_products);
   if (qd.size() != 4 || vd.size() != 4)
     return ffi::Error::InvalidArgument("q and v must be rank 4");
   if (kd.size() != 5 || kd[4] != kLanes)
@@ -1384,13 +1396,13 @@ static ffi::Error DecodeAttentionImpl(
   switch (k.element_type()) {
     case ffi::F32:
       return run<float>(pool, qp, k.untyped_data(), ks, v.untyped_data(), vs,
-                        mp, op, B, K, G, D, E, S, scale, dot);
+                        mp, op, B, K, G, D, E, S, scale, bf16_products);
     case ffi::U16:  // bfloat16 bits (kvjax.quant stores bfloat16 so)
       return run<uint16_t>(pool, qp, k.untyped_data(), ks, v.untyped_data(),
-                           vs, mp, op, B, K, G, D, E, S, scale, dot);
+                           vs, mp, op, B, K, G, D, E, S, scale, bf16_products);
     case ffi::S8:
       return run<int8_t>(pool, qp, k.untyped_data(), ks, v.untyped_data(), vs,
-                         mp, op, B, K, G, D, E, S, scale, dot);
+                         mp, op, B, K, G, D, E, S, scale, bf16_products);
     default:
       return ffi::Error::InvalidArgument(
           "k: f32, u16 (bfloat16 bits) or s8");
@@ -1483,8 +1495,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxDecodeAttention, DecodeAttentionImpl,
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("bf16_products"));
 
-// Whether the bfloat16 products run as vdpbf16ps where the caller leaves
-// the form to the kernel (`bf16_products` 0): 1 if so, 0 if they run as
-// float32 multiply-adds (measured once per process; always 0 in a build
-// without AVX-512 BF16).
-extern "C" int KvjaxBf16DotProducts() { return use_dot_products(kBf16Auto); }
+// Whether the bfloat16 products of tiles of `kMeasuredFromRows` or more
+// query rows run as vdpbf16ps where the caller leaves the form to the
+// kernel (`bf16_products` 0): 1 if so, 0 if they run as float32
+// multiply-adds (measured once per process; always 0 in a build without
+// AVX-512 BF16). Tiles of fewer rows take vdpbf16ps wherever it exists.
+extern "C" int KvjaxBf16DotProducts() {
+  return use_dot_products(kBf16Auto, kMeasuredFromRows);
+}
