@@ -411,11 +411,11 @@ bool dot_products_faster() {
 }
 #endif
 
-// Query rows from which 'auto' takes the measured form: below it the step
-// is bound by the bytes it reads, and vdpbf16ps' fewer instructions were
-// the faster on the Intel Xeon too (in the step at 1 row, MHA: 1.06x;
-// alone at 2 rows: 1.04x), while from 4 rows the multiply-adds were (1.2x
-// at 4 rows, 1.4x at 8; WORKSPACE.md "Quantized caches, and the
+// Query rows from which 'auto' takes the measured form. Below it a step is
+// bound by the bytes it reads and on the Intel Xeon the two forms were
+// level (MHA's step within its run-to-run spread), so vdpbf16ps' fewer
+// instructions are kept; from 4 rows the products bind, and there the
+// multiply-adds were the faster (WORKSPACE.md "Quantized caches, and the
 // cache-dominated regime").
 constexpr int kMeasuredFromRows = 4;
 
