@@ -169,10 +169,27 @@ inline f16v finish16(f16v a, const float* k_scale, const bool* mask,
   return a;
 }
 
+// Lane reductions as shuffle trees (four steps; the sum in
+// _mm512_reduce_add_ps' order): a loop over the lanes compiles to a chain
+// of 16 dependent scalar operations, which a step paid once per query row
+// and block.
+template <typename Op>
+inline float lane_tree(f16v x, Op op) {
+  constexpr i32x16 h8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
+  constexpr i32x16 h4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
+  constexpr i32x16 h2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
+  constexpr i32x16 h1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
+  x = op(x, __builtin_shuffle(x, h8));
+  x = op(x, __builtin_shuffle(x, h4));
+  x = op(x, __builtin_shuffle(x, h2));
+  x = op(x, __builtin_shuffle(x, h1));
+  return x[0];
+}
 inline float hmax(f16v x) {
-  float m = kLowest;
-  for (int i = 0; i < 16; ++i) m = std::max(m, x[i]);
-  return m;
+  return lane_tree(x, [](f16v a, f16v b) { return a > b ? a : b; });
+}
+inline float hsum(f16v x) {
+  return lane_tree(x, [](f16v a, f16v b) { return a + b; });
 }
 
 // exp(x) for x <= 0 in a form the compiler vectorizes (std::exp is a scalar
@@ -786,18 +803,6 @@ inline void block_logits_quads(const QuadQuery& q, int64_t D,
   for (int g = 0; g < GN; ++g) bm[g] = hmax(vmax[g]);
 }
 
-inline float hsum(f16v x) {
-#if defined(__AVX512F__)
-  __m512 r;
-  std::memcpy(&r, &x, sizeof(r));
-  return _mm512_reduce_add_ps(r);
-#else
-  float s = 0.0f;
-  for (int i = 0; i < 16; ++i) s += x[i];
-  return s;
-#endif
-}
-
 // Lane sums of 16 vectors at once: r[k] = sum of v[k]'s lanes. A tree of
 // pairwise half-swaps and adds (4 levels, 30 shuffles and 15 adds for the
 // 16 sums) instead of 16 separate horizontal sums (each a chain of ~8
@@ -1112,23 +1117,28 @@ void attend_tile(const Logits& logits, const T* __restrict__ v,
         l[g] *= corr;
         for (int64_t e = 0; e < E; ++e) acc[g * E + e] *= corr;
       }
-      float sum = 0.0f;
-      if (v_scale != nullptr) {  // each token's value scale, into its weight
-        const float* vs = v_scale + b0;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < n; ++j) {
-          const float p = exp_nonpositive(row[j] - m_new);
-          sum += p;
-          row[j] = p * vs[j];
-        }
-      } else {
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < n; ++j) {
-          row[j] = exp_nonpositive(row[j] - m_new);
-          sum += row[j];
-        }
+      // The weights, 16 slots at a time, their sum kept in lanes and
+      // reduced once per row and block (`hsum`); each token's value scale
+      // (int8) goes into its weight, not into the sum.
+      const float* vs = v_scale != nullptr ? v_scale + b0 : nullptr;
+      f16v sums = {};
+      float tail = 0.0f;
+      int64_t j0 = 0;
+      for (; j0 + kLanes <= n; j0 += kLanes) {
+        alignas(64) float w[kLanes];
+#pragma omp simd
+        for (int64_t t = 0; t < kLanes; ++t)
+          w[t] = exp_nonpositive(row[j0 + t] - m_new);
+        const f16v p = load16(w);
+        sums += p;
+        store16(row + j0, vs != nullptr ? p * load16(vs + j0) : p);
       }
-      l[g] += sum;
+      for (; j0 < n; ++j0) {  // MLA's slots past the last 16
+        const float p = exp_nonpositive(row[j0] - m_new);
+        tail += p;
+        row[j0] = vs != nullptr ? p * vs[j0] : p;
+      }
+      l[g] += hsum(sums) + tail;
       m[g] = m_new;
     }
     if constexpr (pair_values) {
