@@ -45,6 +45,7 @@ from kvjax import cli
 from kvjax import configs as cfg_lib
 from kvjax import data
 from kvjax import inference
+from kvjax import native_attention
 from configs import model as model_presets
 
 MODES = ("memory", "positions", "variants", "roofline", "quant", "sweep",
@@ -503,6 +504,12 @@ def run_sweep():
              steps=_SWEEP_STEPS.value, rows=[], machine=bm.machine_info())
   configs = [(label, c) for label, c in _variant_rows()
              if not label.endswith("naive")]
+  if native_attention.preferred():  # the kernel's bfloat16 product form
+    out["bf16_products"] = times = native_attention.bf16_product_times()
+    print("native kernel, bfloat16 products per 16 lanes: vdpbf16ps %.3f ns,"
+          " multiply-adds %.3f ns -> %s" % (
+              times["dot_ns"], times["fma_ns"],
+              "vdpbf16ps" if times["dot"] else "multiply-adds"))
   report = _Partial("sweep", len(configs) * len(kinds) * len(batches) *
                     len(contexts))
   for label, config in configs:

@@ -227,6 +227,19 @@ def bf16_dot_products() -> bool:
   return bool(lib.KvjaxBf16DotProducts())
 
 
+def bf16_product_times() -> dict[str, float]:
+  """What `bf16_dot_products` measured: nanoseconds per 16 products (one
+  AVX-512 register's lanes) as vdpbf16ps ('dot_ns') and as float32
+  multiply-adds ('fma_ns'), and whether 'auto' takes vdpbf16ps for tiles
+  of 4 or more rows ('dot'). Both times are 0 without AVX-512 BF16."""
+  _require("bf16_product_times")
+  lib = ctypes.cdll.LoadLibrary(str(build()))
+  out = (ctypes.c_double * 2)()
+  lib.KvjaxBf16ProductTimes(out)
+  return dict(dot_ns=out[0] * 1e9, fma_ns=out[1] * 1e9,
+              dot=bf16_dot_products())
+
+
 @functools.lru_cache(maxsize=None)
 def preferred() -> bool:
   """Whether 'auto' decode takes the kernel: where it is available and the

@@ -254,7 +254,13 @@ class KernelTest(parameterized.TestCase):
         outs["fma"], reference(q, k64, v64, np.asarray(mask), 0.25,
                                "bfloat16"), rtol=2e-5,
         atol=atol("bfloat16", v64))
-    self.assertIsInstance(native_attention.bf16_dot_products(), bool)
+    times = native_attention.bf16_product_times()
+    self.assertEqual(times["dot"], native_attention.bf16_dot_products())
+    if times["dot_ns"] > 0:  # measured (an AVX-512 BF16 build)
+      self.assertGreater(times["fma_ns"], 0)
+      self.assertEqual(times["dot"], times["dot_ns"] * 1.1 < times["fma_ns"])
+    else:
+      self.assertFalse(times["dot"])
 
   def test_unknown_bf16_products_is_refused(self):
     q, k, v, _, _, _, _ = operands("bfloat16", 1, 1, 2, 32, 32, 32)

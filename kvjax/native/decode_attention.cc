@@ -372,13 +372,19 @@ inline void unpair16(const uint32_t* p, f16v& even, f16v& odd) {
 // (`dot_products_faster` measures it). 0: measure, 1: vdpbf16ps, 2: fma.
 enum Bf16Form : int64_t { kBf16Auto = 0, kBf16Dot = 1, kBf16Fma = 2 };
 
+// Seconds per 16 products (one register's lanes) of each form, as
+// `product_times` measured them: [vdpbf16ps, multiply-add]; zero where
+// not measured.
+struct ProductTimes {
+  double dot = 0.0, fma = 0.0;
+};
+
 #if defined(__AVX512BF16__)
 // Times 16 independent chains of vdpbf16ps against 32 of float32
-// multiply-adds (the same number of products) in registers, and says
-// whether the instruction is at least 10 % faster; once per process
-// (about a millisecond).
-bool dot_products_faster() {
-  static const bool faster = [] {
+// multiply-adds (the same number of products) in registers; once per
+// process (about a millisecond).
+const ProductTimes& product_times() {
+  static const ProductTimes times = [] {
     using clock = std::chrono::steady_clock;
     auto best = [](auto&& body) {
       double t = 1e30;
@@ -422,9 +428,17 @@ bool dot_products_faster() {
       sink = r;
     });
     (void)sink;
-    return dot * 1.1 < fma;
+    // Per register of products: 16 x kIters vdpbf16ps make 32 x kIters
+    // registers of products, as the 32 x kIters multiply-adds do.
+    return ProductTimes{dot / (32.0 * kIters), fma / (32.0 * kIters)};
   }();
-  return faster;
+  return times;
+}
+
+// Whether vdpbf16ps is at least 10 % faster per product.
+bool dot_products_faster() {
+  const ProductTimes& t = product_times();
+  return t.dot * 1.1 < t.fma;
 }
 #endif
 
@@ -1512,4 +1526,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxDecodeAttention, DecodeAttentionImpl,
 // AVX-512 BF16). Tiles of fewer rows take vdpbf16ps wherever it exists.
 extern "C" int KvjaxBf16DotProducts() {
   return use_dot_products(kBf16Auto, kMeasuredFromRows);
+}
+
+// What that choice measured: seconds per register of 16 products as
+// vdpbf16ps (out[0]) and as float32 multiply-adds (out[1]); zeros in a
+// build without AVX-512 BF16.
+extern "C" void KvjaxBf16ProductTimes(double* out) {
+#if defined(__AVX512BF16__)
+  const ProductTimes& t = product_times();
+  out[0] = t.dot;
+  out[1] = t.fma;
+#else
+  out[0] = out[1] = 0.0;
+#endif
 }
