@@ -216,12 +216,12 @@ def bf16_dot_products() -> bool:
   """Whether 'auto' runs the kernel's bfloat16 products as vdpbf16ps
   rather than float32 multiply-adds for query tiles of 4 or more rows
   (GQA's and MQA's groups): the kernel times both in registers once per
-  process and takes vdpbf16ps where it is ≥ 10 % faster per product (Zen
-  4: issued as fast as a multiply-add, twice the products; Intel Xeon
-  Sapphire / Emerald Rapids: at a quarter of that rate, half the
-  products; WORKSPACE.md "Quantized caches, and the cache-dominated
-  regime"). Tiles of 1-3 rows (MHA) are bound by the bytes they read and
-  take vdpbf16ps wherever the host has it. False without AVX-512 BF16."""
+  process (`bf16_product_times`) and takes vdpbf16ps where it is ≥ 10 %
+  faster per product (on the Intel Xeon, family 6 model 207, it delivers
+  half the multiply-add's products per cycle; WORKSPACE.md "Quantized
+  caches, and the cache-dominated regime"). Tiles of 1-3 rows (MHA) are
+  bound by the bytes they read and take vdpbf16ps wherever the host has
+  it. False without AVX-512 BF16."""
   _require("bf16_dot_products")
   lib = ctypes.cdll.LoadLibrary(str(build()))
   return bool(lib.KvjaxBf16DotProducts())

@@ -366,10 +366,11 @@ inline void unpair16(const uint32_t* p, f16v& even, f16v& odd) {
 // products a lane per instruction) or as float32 multiply-adds over keys
 // and values widened in registers (one a lane). Both add the same exact
 // products in the same order, so they give the same bits; which is faster
-// is the CPU's: Zen 4 issues vdpbf16ps as fast as a multiply-add, twice
-// the products, while on Intel's Xeons (Sapphire / Emerald Rapids) it
-// issues at a quarter of the multiply-add rate, half the products
-// (`dot_products_faster` measures it). 0: measure, 1: vdpbf16ps, 2: fma.
+// is the CPU's: on an AMD EPYC Zen 4 moving the products to vdpbf16ps made
+// the MQA / GQA steps 1.20x / 1.11x faster, while on the Intel Xeon
+// (family 6 model 207) vdpbf16ps delivers half the products per cycle of
+// a multiply-add (WORKSPACE.md "Quantized caches, and the cache-dominated
+// regime"; `product_times` measures it). 0: measure, 1: vdpbf16ps, 2: fma.
 enum Bf16Form : int64_t { kBf16Auto = 0, kBf16Dot = 1, kBf16Fma = 2 };
 
 // Seconds per 16 products (one register's lanes) of each form, as
