@@ -192,13 +192,19 @@ def build() -> pathlib.Path:
 
 
 @functools.lru_cache(maxsize=None)
+def _library() -> ctypes.CDLL:
+  """The built kernel library, loaded once (builds it on the first call)."""
+  return ctypes.cdll.LoadLibrary(str(build()))
+
+
+@functools.lru_cache(maxsize=None)
 def available() -> bool:
   """Whether the kernel is built and registered for the CPU (builds it on
   the first call; False with KVJAX_NATIVE=0, or when the build fails)."""
   if os.environ.get("KVJAX_NATIVE", "1") == "0":
     return False
   try:
-    lib = ctypes.cdll.LoadLibrary(str(build()))
+    lib = _library()
     jax.ffi.register_ffi_target(
         TARGET, jax.ffi.pycapsule(lib.KvjaxDecodeAttention), platform="cpu")
     jax.ffi.register_ffi_target(
@@ -223,8 +229,7 @@ def bf16_dot_products() -> bool:
   bound by the bytes they read and take vdpbf16ps wherever the host has
   it. False without AVX-512 BF16."""
   _require("bf16_dot_products")
-  lib = ctypes.cdll.LoadLibrary(str(build()))
-  return bool(lib.KvjaxBf16DotProducts())
+  return bool(_library().KvjaxBf16DotProducts())
 
 
 def bf16_product_times() -> dict[str, float]:
@@ -233,9 +238,8 @@ def bf16_product_times() -> dict[str, float]:
   multiply-adds ('fma_ns'), and whether 'auto' takes vdpbf16ps for tiles
   of 4 or more rows ('dot'). Both times are 0 without AVX-512 BF16."""
   _require("bf16_product_times")
-  lib = ctypes.cdll.LoadLibrary(str(build()))
   out = (ctypes.c_double * 2)()
-  lib.KvjaxBf16ProductTimes(out)
+  _library().KvjaxBf16ProductTimes(out)
   return dict(dot_ns=out[0] * 1e9, fma_ns=out[1] * 1e9,
               dot=bf16_dot_products())
 
