@@ -9,7 +9,8 @@ attention over int8 caches (GQA / MHA / MQA; `generate`'s decode).
 An int4 cache's view holds its codes unpacked, one int8 per code (the
 segment's working copy is twice the int4 payload): a step then reads
 them as int8 codes and attends as an int8 cache does; `into_cache` packs
-them back, bit for bit.
+them back, bit for bit. (The native kernel's view, `kvjax.native_layered`,
+keeps them packed and unpacks in registers.)
 
 S, the layered cache's slots, is the attended prefix of one `generate`
 decode segment (`decode.attention_schedule`): the segment splits the first
@@ -157,30 +158,31 @@ def segment_limits(policy: cache_lib.CachePolicy, capacity: int,
   return None
 
 
-def layer_slices(arr, attend: int):
+def layer_slices(arr, attend: int, unpack: bool = True):
   """A stacked cache array's first `attend` slots as one array per layer
   (slot axis 3 of [L, B, K, S, ...]), int4 payloads unpacked to one int8
-  code each; None stays None. What the per-layer views hold, before their
-  own layouts."""
+  code each unless `unpack` is False; None stays None. What the per-layer
+  views hold, before their own layouts."""
   if arr is None:
     return None
   parts = tuple(arr[l, :, :, :attend] for l in range(arr.shape[0]))
-  if arr.dtype == quant.INT4_PAIRS:
+  if unpack and arr.dtype == quant.INT4_PAIRS:
     parts = tuple(quant.unpack_int4(x) for x in parts)
   return parts
 
 
-def write_back(cache: cache_lib.KVCache, view, k_parts, v_parts
-               ) -> cache_lib.KVCache:
+def write_back(cache: cache_lib.KVCache, view, k_parts, v_parts,
+               packed: bool = False) -> cache_lib.KVCache:
   """`cache` with its first S slots set from a per-layer view: keys and
-  values per layer as [B, K, S, H] codes (int4 packed back into pairs),
-  the view's scales, positions, lengths and errors."""
+  values per layer as [B, K, S, H] codes (int4 packed back into pairs,
+  unless `packed`: [B, K, S, H/2] as stored), the view's scales,
+  positions, lengths and errors."""
   S = v_parts[0].shape[2]
 
   def put(arr, parts):
     return None if arr is None else arr.at[:, :, :, :S].set(jnp.stack(parts))
 
-  if view.policy.kv_dtype == "int4":
+  if view.policy.kv_dtype == "int4" and not packed:
     k_parts, v_parts = (tuple(quant.pack_int4(x) for x in k_parts),
                         tuple(quant.pack_int4(x) for x in v_parts))
   return cache.replace(

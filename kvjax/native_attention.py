@@ -19,8 +19,11 @@ come in tiles of 16 slots (`TILE`), written [B, K, S/16, D, 16] and named
   keys    [B, K, S/16, D, 16]: tiles of 16 slots, each tile's D × 16 keys
           contiguous (`tile_keys`), so the kernel streams them in order;
           float32, bfloat16 bits (uint16, `kvjax.quant`), or int8 codes
-          with per-token float32 scales [B, K, S]; S a multiple of 16
-  values  [B, K, S, E], the keys' storage (int8: with per-token scales)
+          with per-token float32 scales [B, K, S]; or int4 pairs (uint8,
+          `quant.pack_int4`, two codes a byte) as stored: [B, K, S/16,
+          D/2, 16] bytes, with scales; S a multiple of 16
+  values  [B, K, S, E], the keys' storage (int8: with per-token scales;
+          int4 pairs [B, K, S, E/2] bytes)
   mask    bool [B, S], True where a slot may be attended
 
 Semantics are `attention.decode_softmax_values`' in float32: logits =
@@ -30,8 +33,11 @@ Over int8 keys the scaled query is rounded per row as the keys are
 (`quant.quantize`) and the logits are integer dots (AVX-512 VNNI where the
 host has it, exact float sums of the same integers elsewhere); unlike
 `layered.int8_attend` the probabilities are not rounded: int8 values are
-converted in registers. Over bfloat16 keys and values (GQA's; not MLA's
-latents) the scaled query and the probabilities are rounded to bfloat16,
+converted in registers. int4 codes are read packed and unpacked in
+registers to the same integers: the int8 path's arithmetic on the
+unpacked codes, to the bit (where E/2 is a multiple of 16), over half
+the code bytes. Over bfloat16 keys and values (GQA's; not MLA's latents)
+the scaled query and the probabilities are rounded to bfloat16,
 FlashAttention's numerics; the products run as AVX-512 BF16's vdpbf16ps
 or as float32 multiply-adds of the same exact products in the same order
 (the same bits), whichever the host runs faster for the query group
@@ -80,7 +86,8 @@ TARGET = "kvjax_decode_attention"
 LATENT_TARGET = "kvjax_latent_attention"
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared",
          "-fPIC", "-w")
-KEY_DTYPES = (jnp.dtype(jnp.float32), quant.BF16_BITS, jnp.dtype(jnp.int8))
+KEY_DTYPES = (jnp.dtype(jnp.float32), quant.BF16_BITS, jnp.dtype(jnp.int8),
+              quant.INT4_PAIRS)
 LATENT_DTYPES = (jnp.dtype(jnp.float32), quant.BF16_BITS,  # MLA's latents
                  jnp.dtype(jnp.int8))
 TILE = 16  # slots per key tile (the kernel's register width)
@@ -92,10 +99,18 @@ BF16_PRODUCTS = {"auto": 0, "dot": 1, "fma": 2}
 
 
 def group_width(dtype) -> int:
-  """How many channels of a slot a key tile keeps adjacent for `dtype`:
-  4 for int8 codes (quads), 2 for bfloat16 bits (pairs), else 1."""
+  """How many elements of a slot a key tile keeps adjacent for `dtype`:
+  4 for int8 codes and for int4 pairs (quads of bytes: 8 codes), 2 for
+  bfloat16 bits (pairs), else 1."""
   dtype = jnp.dtype(dtype)
-  return QUAD if dtype == jnp.int8 else PAIR if dtype == quant.BF16_BITS else 1
+  if dtype in (jnp.dtype(jnp.int8), quant.INT4_PAIRS):
+    return QUAD
+  return PAIR if dtype == quant.BF16_BITS else 1
+
+
+def codes_per_element(dtype) -> int:
+  """Channels one stored element holds: 2 for int4 pairs, else 1."""
+  return 2 if jnp.dtype(dtype) == quant.INT4_PAIRS else 1
 
 
 def grouped_tiles(k_tiles):
@@ -111,7 +126,8 @@ def tile_keys(k_BKSD):
   tile's D × 16 keys contiguous, channel-major. int8 codes and bfloat16
   bits keep w = `group_width` channels of a slot adjacent, each tile
   [D/w, 16, w] (one VNNI or vdpbf16ps product's operand; D a multiple of
-  w), shaped [D, 16] all the same."""
+  w), shaped [D, 16] all the same. int4 pairs are tiled as stored bytes
+  (D here is the packed width, half the channels), in quads of bytes."""
   B, K, S, D = k_BKSD.shape
   if S % TILE:
     raise ValueError(f"tile_keys: S={S} slots is not a multiple of {TILE}")
@@ -269,10 +285,10 @@ def _require(name: str) -> None:
 
 
 def _check_scales(name: str, int8: bool, *scales) -> None:
-  """Per-token scales come with int8 codes, and only with them."""
+  """Per-token scales come with int8 (or int4) codes, and only with them."""
   if any((x is None) == int8 for x in scales):
-    raise ValueError(f"{name}: per-token scales go with int8 codes, and only "
-                     "with them")
+    raise ValueError(f"{name}: per-token scales go with int8 / int4 codes, "
+                     "and only with them")
 
 
 def _scale_operand(x):
@@ -287,7 +303,7 @@ def supports(k_dtype, v_dtype) -> str | None:
   k_dtype, v_dtype = jnp.dtype(k_dtype), jnp.dtype(v_dtype)
   if k_dtype not in KEY_DTYPES or v_dtype != k_dtype:
     return (f"keys {k_dtype} / values {v_dtype}: the kernel reads float32, "
-            "bfloat16 bits or int8 codes, the same for both")
+            "bfloat16 bits, int8 codes or int4 pairs, the same for both")
   return None
 
 
@@ -299,11 +315,14 @@ def decode_attend(q_BKGD, k_tiles, v, mask_BS, scale: float,
   Args:
     q_BKGD: queries (cast to float32).
     k_tiles: keys in tiles of 16 slots (`tile_keys`); float32, uint16
-      bfloat16 bits or int8 codes.
-    v: values [B, K, S, E], stored as the keys are.
+      bfloat16 bits, int8 codes or uint8 int4 pairs ([B, K, S/16, D/2,
+      16]: the packed bytes tiled).
+    v: values [B, K, S, E], stored as the keys are (int4 pairs: [B, K, S,
+      E/2]).
     mask_BS: bool, True where a slot may be attended.
     scale: softmax scale.
-    k_scale_BKS, v_scale_BKS: float32 per-token scales (int8 codes only).
+    k_scale_BKS, v_scale_BKS: float32 per-token scales (int8 and int4
+      codes only).
     bf16_products: over bfloat16 bits, how the products run: 'dot'
       (vdpbf16ps, where the host has it), 'fma' (float32 multiply-adds) or
       'auto' (`bf16_dot_products`); all three give the same bits.
@@ -325,16 +344,18 @@ def decode_attend(q_BKGD, k_tiles, v, mask_BS, scale: float,
   why = supports(k_tiles.dtype, v.dtype)
   if why:
     raise ValueError(f"decode_attend: {why}")
-  w = group_width(k_tiles.dtype)
+  per = codes_per_element(k_tiles.dtype)
+  w = group_width(k_tiles.dtype) * per
   if D % w:
     raise ValueError(f"decode_attend: {k_tiles.dtype} keys of D={D} "
                      f"channels, not a multiple of {w} (the kernel's "
                      "channel groups)")
-  _check_scales("decode_attend", k_tiles.dtype == jnp.int8, k_scale_BKS,
-                v_scale_BKS)
-  E = v.shape[3]
-  want_v = (B, K, S, E)
-  want_k = (B, K, S // TILE, D, TILE)
+  _check_scales("decode_attend",
+                k_tiles.dtype in (jnp.dtype(jnp.int8), quant.INT4_PAIRS),
+                k_scale_BKS, v_scale_BKS)
+  E = v.shape[3] * per
+  want_v = (B, K, S, E // per)
+  want_k = (B, K, S // TILE, D // per, TILE)
   if k_tiles.shape != want_k or v.shape != want_v:
     raise ValueError(f"decode_attend: keys {k_tiles.shape} (want {want_k}),"
                      f" values {v.shape} (want {want_v})")

@@ -4,12 +4,15 @@ attention is `native_attention.decode_attend` instead of XLA's dots.
 
   NativeKV   one array per layer, as `layered.LayeredKV` (float32,
              bfloat16 bits, int8 codes with per-token scales, int4 codes
-             unpacked to int8), in the kernel's layouts: keys L × [B, K,
-             S/16, H, 16] (tiles of 16 slots, each tile's H × 16 keys
-             contiguous, int8 in channel quads and bfloat16 in channel
-             pairs: `native_attention.tile_keys`), values L × [B, K, S,
-             H] for every kind; read as stored: no float32 copy of a
-             bfloat16 or int8 cache, no [.., S] logits in memory.
+             packed two a byte as the stacked cache stores them), in the
+             kernel's layouts: keys L × [B, K, S/16, H, 16] (tiles of 16
+             slots, each tile's H × 16 keys contiguous, int8 in channel
+             quads and bfloat16 in channel pairs, int4 pairs in quads of
+             bytes over [B, K, S/16, H/2, 16]:
+             `native_attention.tile_keys`), values L × [B, K, S, H] for
+             every kind ([B, K, S, H/2] bytes for int4); read as stored:
+             no float32 copy of a bfloat16 or int8 cache, no unpacked copy
+             of an int4 one, no [.., S] logits in memory.
 
 Why tiles: with keys transposed whole ([H, S] per head, the layered
 view's layout for XLA's `q K^T`), 16 slots' keys are H rows S apart, and
@@ -26,8 +29,9 @@ returns a new cache; none mutates.
 What it cannot do, and so `supports` refuses (the plan then picks another
 layout): float16 caches (no kernel conversion), KIVI's per-channel keys,
 eviction or `cache` positions (the layered view's limits), segments
-whose slots are not a multiple of 16, int8 / int4 codes or bfloat16 bits
-of a head width that is not a multiple of 4 / 2 (the key channel groups),
+whose slots are not a multiple of 16, int8 codes, int4 codes or bfloat16
+bits of a head width that is not a multiple of 4, 8 or 2 (the key channel
+groups),
 per-head masks, and hosts where the kernel did not build
 (`native_attention.available`).
 Attention probabilities are not formed, so a policy that scores slots
@@ -75,9 +79,10 @@ def supports(cache, attend: int) -> str | None:
   if cache.policy.kv_dtype not in NATIVE_DTYPES:
     return (f"kv_dtype={cache.policy.kv_dtype!r} (the native kernel reads "
             f"{NATIVE_DTYPES})")
-  H = cache.v.shape[-1] * (2 if cache.policy.kv_dtype == "int4" else 1)
-  w = native_attention.group_width(
-      jnp.int8 if cache.policy.quantized else cache.v.dtype)
+  storage = quant.storage_dtype(cache.policy.kv_dtype)
+  per = native_attention.codes_per_element(storage)
+  H = cache.v.shape[-1] * per
+  w = native_attention.group_width(storage) * per
   if H % w:
     return (f"kv_dtype={cache.policy.kv_dtype!r} with head width {H}, not a "
             f"multiple of {w} (the kernel's key channel groups)")
@@ -95,10 +100,11 @@ def from_cache(cache: cache_lib.KVCache, attend: int) -> NativeKV:
   why = supports(cache, attend)
   if why:
     raise ValueError(f"native decode cache: {why}")
+  # int4 stays packed: the kernel unpacks in registers.
   return NativeKV(
       k=tuple(map(native_attention.tile_keys,
-                  layered.layer_slices(cache.k, attend))),
-      v=layered.layer_slices(cache.v, attend),
+                  layered.layer_slices(cache.k, attend, unpack=False))),
+      v=layered.layer_slices(cache.v, attend, unpack=False),
       k_scale=layered.layer_slices(cache.k_scale, attend),
       v_scale=layered.layer_slices(cache.v_scale, attend),
       positions=cache.positions[:, :attend], length=cache.length,
@@ -109,7 +115,8 @@ def into_cache(cache: cache_lib.KVCache, view: NativeKV) -> cache_lib.KVCache:
   """`cache` with its first S slots, positions and lengths from `view` (the
   inverse of `from_cache`)."""
   return layered.write_back(
-      cache, view, tuple(map(native_attention.untile_keys, view.k)), view.v)
+      cache, view, tuple(map(native_attention.untile_keys, view.k)), view.v,
+      packed=True)
 
 
 def _put_key(tiles, s_B, new_BKH):
@@ -144,9 +151,7 @@ def write(view: NativeKV, layer: int, slots_BT, k_BTKH, v_BTKH) -> NativeKV:
   s_B = slots_BT[:, 0]
   new = {}
   for name, x_BKH in (("k", k_BTKH[:, 0]), ("v", v_BTKH[:, 0])):
-    codes_BKH, scale_BK = quant.quantize(x_BKH, storage)
-    if storage == quant.INT4_PAIRS:  # the view holds int4 codes unpacked
-      codes_BKH = quant.unpack_int4(codes_BKH)
+    codes_BKH, scale_BK = quant.quantize(x_BKH, storage)  # int4: packed
     arrs = list(getattr(view, name))
     arrs[layer] = (_put_key(arrs[layer], s_B, codes_BKH) if name == "k" else
                    layered.put_slot(arrs[layer], s_B, codes_BKH, 2))
@@ -159,8 +164,8 @@ def write(view: NativeKV, layer: int, slots_BT, k_BTKH, v_BTKH) -> NativeKV:
 
 
 def read(view: NativeKV, layer: int, dtype, prefix: int = 0):
-  """One layer's keys and values as stored (`layered.Int8Rows` for int8 /
-  int4 codes; float32 or bfloat16-bit arrays otherwise)."""
+  """One layer's keys and values as stored (`layered.Int8Rows` for int8
+  codes and int4 pairs; float32 or bfloat16-bit arrays otherwise)."""
   del dtype, prefix  # read as stored; the segment's copy is its prefix
   if view.k_scale is not None:
     return (layered.Int8Rows(view.k[layer], view.k_scale[layer]),

@@ -35,7 +35,8 @@ from kvjax.tolerance import assert_close
 import cases  # pylint: disable=g-bad-import-order
 from tiny_models import teacher_forced_layouts, tiny, tiny_params  # pylint: disable=g-bad-import-order,line-too-long
 
-FORMS = ("float32", "bfloat16", "int8")
+FORMS = ("float32", "bfloat16", "int8", "int4")
+CODES = ("int8", "int4")  # forms whose query the kernel rounds to int8
 
 
 def operands(form, B, K, G, D, E, S, seed=0):
@@ -45,11 +46,15 @@ def operands(form, B, K, G, D, E, S, seed=0):
   q = rng.standard_normal((B, K, G, D)).astype(np.float32)
   k = rng.standard_normal((B, K, S, D)).astype(np.float32)
   v = rng.standard_normal((B, K, S, E)).astype(np.float32)
-  if form == "int8":
-    kc, ks = quant.quantize(jnp.asarray(k), jnp.int8)
-    vc, vs = quant.quantize(jnp.asarray(v), jnp.int8)
-    k64 = np.asarray(kc, np.float64) * np.asarray(ks, np.float64)[..., None]
-    v64 = np.asarray(vc, np.float64) * np.asarray(vs, np.float64)[..., None]
+  if form in CODES:  # int4: packed pairs as stored, the codes unpacked
+    storage = jnp.int8 if form == "int8" else quant.INT4_PAIRS
+    unpack = quant.unpack_int4 if form == "int4" else lambda x: x
+    kc, ks = quant.quantize(jnp.asarray(k), storage)
+    vc, vs = quant.quantize(jnp.asarray(v), storage)
+    k64 = (np.asarray(unpack(kc), np.float64) *
+           np.asarray(ks, np.float64)[..., None])
+    v64 = (np.asarray(unpack(vc), np.float64) *
+           np.asarray(vs, np.float64)[..., None])
     return q, native_attention.tile_keys(kc), vc, ks, vs, k64, v64
   if form == "bfloat16":
     kb = quant.quantize(jnp.asarray(k), quant.BF16_BITS)[0]
@@ -87,9 +92,9 @@ def atol(form, v64):
 
 def reference(q, k64, v64, mask_BS, scale, form="float32"):
   """float64 masked softmax attention; a fully masked row averages. With
-  form int8 or bfloat16 the query is the kernel's rounded one
+  form int8, int4 or bfloat16 the query is the kernel's rounded one
   (`rounded_query`, `bf16_query`)."""
-  if form == "int8":
+  if form in CODES:
     q, scale = rounded_query(q, scale), 1.0
   elif form == "bfloat16":
     q, scale = bf16_query(q, scale), 1.0
@@ -193,28 +198,53 @@ class KernelTest(parameterized.TestCase):
     self.assertGreater(np.abs(out - exact).max(), 1e-6)  # it does round
     np.testing.assert_allclose(out, exact, atol=2e-2)
 
+  @cases.product(E=(32, 64, 40))
+  def test_int4_gives_int8s_bits_on_the_unpacked_codes(self, E):
+    # Read packed and unpacked in registers, int4 pairs give the int8
+    # path's output over the same codes unpacked, to the bit where E/2 is a
+    # multiple of 16 (the same products in the same order); E = 40: the
+    # value bytes past the last 16 in another order, within float32 sums.
+    B, K, G, D, S = 2, 2, 8, 32, 304
+    q, k, v, ks, vs, k64, v64 = operands("int4", B, K, G, D, E, S, seed=E)
+    mask = jnp.asarray(np.random.default_rng(E).random((B, S)) < 0.8)
+    packed = np.asarray(native_attention.untile_keys(k))
+    self.assertEqual(packed.shape, (B, K, S, D // 2))
+    codes = quant.unpack_int4(jnp.asarray(packed))
+    out = np.asarray(native_attention.decode_attend(q, k, v, mask, 0.25, ks,
+                                                    vs))
+    want = np.asarray(native_attention.decode_attend(
+        q, native_attention.tile_keys(codes), quant.unpack_int4(v), mask,
+        0.25, ks, vs))
+    if E % 32 == 0:
+      np.testing.assert_array_equal(out, want)
+    else:
+      np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(
+        out, reference(q, k64, v64, np.asarray(mask), 0.25, "int4"),
+        rtol=2e-5, atol=2e-5)
+
   @pytest.mark.slow  # builds the kernel a second time (~30 s)
   def test_portable_paths_give_the_same_bits(self):
     # Built without VNNI and AVX-512 BF16 (the portable paths: the groups'
     # codes or bits unpacked, float multiply-adds of the same exact
     # products in the same order) the kernel gives the same bits for int8
-    # keys, bfloat16 keys and values, and MLA's int8 latents. E = 40: value
+    # and int4 keys, bfloat16 keys and values, and MLA's int8 latents. E = 40: value
     # channels past the last 16; C = 72, R = 12: a full and a partial
     # 64-channel chunk, T = 301: slots off the 16 / G slot groups.
     B, K, G, D, E, S = 2, 2, 8, 32, 40, 304
     rng = np.random.default_rng(1)
     mask = rng.random((B, S)) < 0.8
     ops, calls, here = dict(mask=mask), {}, {}
-    for form in ("int8", "bfloat16"):
+    for form in ("int8", "int4", "bfloat16"):
       q, k, v, ks, vs, _, _ = operands(form, B, K, G, D, E, S, seed=5)
       ops.update({f"q_{form}": q, f"k_{form}": k, f"v_{form}": v})
-      scales = (ks, vs) if form == "int8" else ()
+      scales = (ks, vs) if form in CODES else ()
       if scales:
-        ops.update(ks=ks, vs=vs)
+        ops.update({f"ks_{form}": ks, f"vs_{form}": vs})
       calls[form] = (
           f"na.decode_attend(o['q_{form}'], jnp.asarray(o['k_{form}']), "
           f"jnp.asarray(o['v_{form}']), jnp.asarray(o['mask']), 0.25"
-          + (", o['ks'], o['vs'])" if scales else ")"))
+          + (f", o['ks_{form}'], o['vs_{form}'])" if scales else ")"))
       here[form] = native_attention.decode_attend(
           q, k, v, jnp.asarray(mask), 0.25, *scales)
     N, C, R, T = 6, 72, 12, 301
@@ -297,7 +327,8 @@ class KernelTest(parameterized.TestCase):
                                  atol=2e-5)
 
   @parameterized.named_parameters(
-      ("float16", "float16", "float32, bfloat16 bits or int8"),
+      ("float16", "float16", "float32, bfloat16 bits, int8 codes or int4"),
+      ("int4_width", "int4_width", "not a multiple of 8"),
       ("mixed", "mixed", "the same for both"),
       ("scales_on_floats", "float_scales", "per-token scales"),
       ("no_scales_on_int8", "int8_no_scales", "per-token scales"),
@@ -321,6 +352,10 @@ class KernelTest(parameterized.TestCase):
             q, k, v, mask[:, :10], 1.0, ks, vs),
         "keys": lambda: native_attention.decode_attend(
             q, fk[:, :, :, :16], fv, mask, 1.0),
+        # int4 pairs of D = 4 channels: a quad of bytes would span 8
+        "int4_width": lambda: native_attention.decode_attend(
+            q[..., :4], jnp.zeros((B, K, S // 16, 2, 16), quant.INT4_PAIRS),
+            jnp.zeros((B, K, S, 2), quant.INT4_PAIRS), mask, 1.0, ks, vs),
     }[form]
     with self.assertRaisesRegex(ValueError, match):
       call()

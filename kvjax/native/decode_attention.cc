@@ -12,14 +12,16 @@
 // Shapes (the dimension alphabet of kvjax.config):
 //   q       f32   [B, K, G, D]   queries, grouped by the kv head serving them
 //   k       T     [B, K, S/16, D, 16]  keys in tiles of 16 slots (T: f32,
-//                                bf16 bits as u16, s8); S a multiple of 16.
+//                                bf16 bits as u16, s8, or u8 int4 pairs:
+//                                [B, K, S/16, D/2, 16] bytes, D a multiple
+//                                of 8); S a multiple of 16.
 //                                s8 tiles hold [D/4, 16, 4] (four channels
 //                                of a slot adjacent: `quad` tiles), D a
 //                                multiple of 4; bf16 tiles [D/2, 16, 2]
 //                                (`pair` tiles), D even
-//   k_scale f32   [B, K, S]      per-token key scales (s8; else [0])
-//   v       T     [B, K, S, E]   values
-//   v_scale f32   [B, K, S]      per-token value scales (s8; else [0])
+//   k_scale f32   [B, K, S]      per-token key scales (s8, u8; else [0])
+//   v       T     [B, K, S, E]   values (u8: [B, K, S, E/2], two a byte)
+//   v_scale f32   [B, K, S]      per-token value scales (s8, u8; else [0])
 //   mask    pred  [B, S]         True where a slot may be attended
 //   out     f32   [B, K, G, E]
 // attrs: scale (softmax scale, f32).
@@ -31,7 +33,9 @@
 // row, symmetric int8: `quant.quantize`) and the logits are integer dot
 // products, q_scale · k_scale · (q_codes · k_codes): AVX-512 VNNI's
 // vpdpbusd takes four channels' products a lane per instruction where
-// float32 multiply-adds take one. Over bfloat16 keys and values the query
+// float32 multiply-adds take one. int4 codes are read packed, two a byte,
+// and unpacked in registers to the same integers (so a step reads half an
+// int8 cache's code bytes). Over bfloat16 keys and values the query
 // and the probabilities are rounded to bfloat16 (FlashAttention's
 // numerics: bf16 products, float32 sums and softmax) and AVX-512 BF16's
 // vdpbf16ps takes two products a lane per instruction.
@@ -150,6 +154,32 @@ inline f16v load16(const int8_t* p) {
   return out;
 }
 inline void store16(float* p, f16v x) { std::memcpy(p, &x, sizeof(x)); }
+
+// int4 pairs (uint8, two's-complement nibbles; `quant.pack_int4`): one
+// code of each of 16 bytes as floats, the low nibbles (high = false) or
+// the high ones, sign-extended.
+inline f16v load16_nibbles(const uint8_t* p, bool high) {
+  f16v out;
+#if defined(__AVX512F__)
+  const __m512i x = _mm512_cvtepi8_epi32(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i c = high ? _mm512_srai_epi32(x, 4)
+                         : _mm512_srai_epi32(_mm512_slli_epi32(x, 28), 28);
+  const __m512 r = _mm512_cvtepi32_ps(c);
+  std::memcpy(&out, &r, sizeof(out));
+#else
+  i8x16 b;
+  std::memcpy(&b, p, sizeof(b));
+  const i32x16 x = __builtin_convertvector(b, i32x16);
+  out = __builtin_convertvector(high ? x >> 4 : (x << 28) >> 28, f16v);
+#endif
+  return out;
+}
+inline float load1_nibble(uint8_t byte, bool high) {
+  const int32_t x = static_cast<int8_t>(byte);
+  const int32_t low = static_cast<int32_t>(static_cast<uint32_t>(x) << 28);
+  return static_cast<float>(high ? x >> 4 : low >> 28);
+}
 
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
 constexpr float kLowest = std::numeric_limits<float>::lowest();
@@ -818,6 +848,115 @@ inline void block_logits_quads(const QuadQuery& q, int64_t D,
   for (int g = 0; g < GN; ++g) bm[g] = hmax(vmax[g]);
 }
 
+// `block_logits_quads` over int4 keys read as stored: tiles of 16 slots'
+// packed rows (`quant.pack_int4`: byte i holds channel i in its low nibble
+// and channel i + D/2 in its high one) in quads of bytes, [D/8, 16, 4] per
+// tile (`tile_keys` of the packed [S, D/2] bytes). A quad's low nibbles
+// are channels 4i..4i+3 and its high ones D/2 + 4i.., so the query's int8
+// quads serve unchanged: quad i for the low half, D/8 + i for the high.
+// Unpacked in registers (a mask, a shift; the stored two's-complement
+// nibbles flipped to code + 8, unsigned for vpdpbusd): the step reads half
+// the bytes of an int8 cache, and the integer sums equal those over the
+// unpacked codes, so the logits are int8's to the bit.
+template <int GN>
+inline void block_logits_nibbles(const QuadQuery& q, int64_t D,
+                                 const uint8_t* __restrict__ k,
+                                 const float* __restrict__ k_scale,
+                                 const bool* __restrict__ mask, int64_t b0,
+                                 int64_t n, float* __restrict__ lg,
+                                 float* __restrict__ bm) {
+  const int64_t D2 = D / 2, D4 = D / 4, D8 = D / 8;
+  f16v vmax[GN];
+  for (int g = 0; g < GN; ++g) vmax[g] = f16v{} + kLowest;
+  const float* ks = k_scale + b0;
+  auto finish = [&](int g, f16v sum, int64_t j) {
+    store16(lg + g * kBlock + j,
+            finish16(sum * q.scale[g], ks + j, mask + b0 + j, vmax[g]));
+  };
+  int64_t j0 = 0;
+#if defined(__AVX512VNNI__)
+  // Unsigned nibbles code + 8: the sum gains 8 · Σ q_codes, a sixteenth
+  // of the int8 path's offset (128 · Σ q_codes), taken off before the
+  // scales.
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x88));
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  auto to_f16v = [&](__m512i acc, int g) {
+    const __m512 f = _mm512_cvtepi32_ps(
+        _mm512_sub_epi32(acc, _mm512_set1_epi32(q.offset[g] / 16)));
+    f16v r;
+    std::memcpy(&r, &f, sizeof(r));
+    return r;
+  };
+  auto halves = [&](const uint8_t* p, __m512i& lo, __m512i& hi) {
+    const __m512i y = _mm512_xor_si512(_mm512_loadu_si512(p), flip);
+    lo = _mm512_and_si512(y, low);
+    hi = _mm512_and_si512(_mm512_srli_epi32(y, 4), low);
+  };
+  for (; j0 + 2 * kLanes <= n; j0 += 2 * kLanes) {
+    __m512i a[GN], c[GN];
+    for (int g = 0; g < GN; ++g) a[g] = c[g] = _mm512_setzero_si512();
+    const uint8_t* kr = k + (b0 + j0) * D2;
+    for (int64_t d8 = 0; d8 < D8; ++d8, kr += 4 * kLanes) {
+      prefetch_l2(kr + 2 * kBlock * D2);
+      prefetch_l2(kr + 2 * kBlock * D2 + kLanes * D2);
+      __m512i l0, h0, l1, h1;
+      halves(kr, l0, h0);
+      halves(kr + kLanes * D2, l1, h1);
+      for (int g = 0; g < GN; ++g) {
+        const __m512i ql = _mm512_set1_epi32(q.words[g * D4 + d8]);
+        const __m512i qh = _mm512_set1_epi32(q.words[g * D4 + D8 + d8]);
+        a[g] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(a[g], l0, ql), h0, qh);
+        c[g] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(c[g], l1, ql), h1, qh);
+      }
+    }
+    for (int g = 0; g < GN; ++g) {
+      finish(g, to_f16v(a[g], g), j0);
+      finish(g, to_f16v(c[g], g), j0 + kLanes);
+    }
+  }
+  for (; j0 < n; j0 += kLanes) {
+    __m512i a[GN];
+    for (int g = 0; g < GN; ++g) a[g] = _mm512_setzero_si512();
+    const uint8_t* kr = k + (b0 + j0) * D2;
+    for (int64_t d8 = 0; d8 < D8; ++d8, kr += 4 * kLanes) {
+      __m512i l0, h0;
+      halves(kr, l0, h0);
+      for (int g = 0; g < GN; ++g)
+        a[g] = _mm512_dpbusd_epi32(
+            _mm512_dpbusd_epi32(a[g], l0,
+                                _mm512_set1_epi32(q.words[g * D4 + d8])),
+            h0, _mm512_set1_epi32(q.words[g * D4 + D8 + d8]));
+    }
+    for (int g = 0; g < GN; ++g) finish(g, to_f16v(a[g], g), j0);
+  }
+#else
+  // Portable: each byte's two nibbles sign-extended from the 32-bit lanes,
+  // float multiply-adds of the query's codes: the same integers, exact.
+  for (; j0 < n; j0 += kLanes) {
+    f16v a[GN];
+    for (int g = 0; g < GN; ++g) a[g] = f16v{};
+    const uint8_t* kr = k + (b0 + j0) * D2;
+    for (int64_t d8 = 0; d8 < D8; ++d8, kr += 4 * kLanes) {
+      prefetch_l2(kr + 2 * kBlock * D2);
+      i32x16 w;
+      std::memcpy(&w, kr, sizeof(w));
+      for (int c = 0; c < 4; ++c) {
+        const f16v lo = __builtin_convertvector((w << (28 - 8 * c)) >> 28,
+                                                f16v);
+        const f16v hi = __builtin_convertvector((w << (24 - 8 * c)) >> 28,
+                                                f16v);
+        for (int g = 0; g < GN; ++g) {
+          a[g] += q.codes[g * D + 4 * d8 + c] * lo;
+          a[g] += q.codes[g * D + D2 + 4 * d8 + c] * hi;
+        }
+      }
+    }
+    for (int g = 0; g < GN; ++g) finish(g, a[g], j0);
+  }
+#endif
+  for (int g = 0; g < GN; ++g) bm[g] = hmax(vmax[g]);
+}
+
 // Lane sums of 16 vectors at once: r[k] = sum of v[k]'s lanes. A tree of
 // pairwise half-swaps and adds (4 levels, 30 shuffles and 15 adds for the
 // 16 sums) instead of 16 separate horizontal sums (each a chain of ~8
@@ -1111,6 +1250,55 @@ inline void block_values(const float* __restrict__ p,
         acc[g * E + e0] += p[g * kBlock + j] * load1(v[(b0 + j) * E + e0]);
 }
 
+// `block_values` over int4 values read as stored, rows of E/2 bytes
+// (`quant.pack_int4`: channel i in byte i's low nibble, i + E/2 in its
+// high one). Each half of the channels in blocks of 16 as `block_values`
+// takes them, in the same order over the same codes: int8's sums to the
+// bit where E/2 is a multiple of 16.
+template <int GN>
+inline void block_values_nibbles(const float* __restrict__ p,
+                                 const uint8_t* __restrict__ v, int64_t E,
+                                 int64_t b0, int64_t n,
+                                 float* __restrict__ acc) {
+  const int64_t E2 = E / 2;
+  for (int half = 0; half < 2; ++half) {
+    const bool high = half == 1;
+    int64_t i0 = 0;  // byte in the row; channel half · E2 + i0
+    for (; i0 + kLanes <= E2; i0 += kLanes) {
+      const int64_t e0 = half * E2 + i0;
+      f16v a[GN], c[GN];
+      for (int g = 0; g < GN; ++g) {
+        a[g] = load16(acc + g * E + e0);
+        c[g] = f16v{};
+      }
+      const uint8_t* vr = v + b0 * E2 + i0;
+      int64_t j = 0;
+      for (; j + 2 <= n; j += 2, vr += 2 * E2) {
+        if (!high) {  // the high half re-reads what the low one brought
+          prefetch_l2(vr + 2 * kBlock * E2);
+          prefetch_l2(vr + 2 * kBlock * E2 + E2);
+        }
+        const f16v v0 = load16_nibbles(vr, high);
+        const f16v v1 = load16_nibbles(vr + E2, high);
+        for (int g = 0; g < GN; ++g) {
+          a[g] += p[g * kBlock + j] * v0;
+          c[g] += p[g * kBlock + j + 1] * v1;
+        }
+      }
+      for (; j < n; ++j, vr += E2) {
+        const f16v vv = load16_nibbles(vr, high);
+        for (int g = 0; g < GN; ++g) a[g] += p[g * kBlock + j] * vv;
+      }
+      for (int g = 0; g < GN; ++g) store16(acc + g * E + e0, a[g] + c[g]);
+    }
+    for (; i0 < E2; ++i0)  // bytes past the last multiple of 16
+      for (int g = 0; g < GN; ++g)
+        for (int64_t j = 0; j < n; ++j)
+          acc[g * E + half * E2 + i0] +=
+              p[g * kBlock + j] * load1_nibble(v[(b0 + j) * E2 + i0], high);
+  }
+}
+
 // One tile of GN query rows over slots [s0, s1): the online softmax.
 // logits(b0, n, lg) fills lg[g][j] for the block's n slots from b0.
 template <int GN, typename T, bool value_ahead, bool pair_values,
@@ -1158,6 +1346,8 @@ void attend_tile(const Logits& logits, const T* __restrict__ v,
     }
     if constexpr (pair_values) {
       block_values_pairs<GN>(lg, v, E, b0, n, acc, dot);
+    } else if constexpr (std::is_same_v<T, uint8_t>) {
+      block_values_nibbles<GN>(lg, v, E, b0, n, acc);
     } else {
       block_values<GN, T, value_ahead>(lg, v, E, b0, n, acc);
     }
@@ -1177,6 +1367,8 @@ void gqa_tile(const float* qg, const QuadQuery& quads, const uint32_t* qw,
       [&](int64_t b0, int64_t n, float* lg, float* bm) {
         if constexpr (std::is_same_v<T, int8_t>) {
           block_logits_quads<GN>(quads, D, k, k_scale, mask, b0, n, lg, bm);
+        } else if constexpr (std::is_same_v<T, uint8_t>) {
+          block_logits_nibbles<GN>(quads, D, k, k_scale, mask, b0, n, lg, bm);
         } else if constexpr (pairs) {
           block_logits_pairs<GN>(qw, qf, D, k, mask, b0, n, lg, bm, dot);
         } else {
@@ -1235,7 +1427,9 @@ void attend_range(const float* q, const float* qb, const T* k,
   for (size_t i = 0; i < qbs.size(); ++i) qbs[i] = qb[i] * scale;
   // Over int8 codes the scaled query is rounded (`RoundedRows`): GQA's
   // rows against the quad tiles, MLA's latent and rotary parts apart.
-  const bool codes = std::is_same_v<T, int8_t>;
+  // (int4 pairs, uint8, take the int8 query: `block_logits_nibbles`.)
+  constexpr bool codes =
+      std::is_same_v<T, int8_t> || std::is_same_v<T, uint8_t>;
   const RoundedRows ra = codes ? RoundedRows(qs.data(), G, D) : RoundedRows();
   const RoundedRows rb =
       codes && qb != nullptr ? RoundedRows(qbs.data(), G, R) : RoundedRows();
@@ -1256,7 +1450,13 @@ void attend_range(const float* q, const float* qb, const T* k,
       float* acc = out.acc.data() + g0 * E;
       by_rows(std::min<int64_t>(kRows, G - g0), [&](auto gn) {
         constexpr int GN = decltype(gn)::value;
-        if (qb != nullptr) {
+        if constexpr (std::is_same_v<T, uint8_t>) {  // no int4 latents
+          const QuadQuery tile{qw.data() + g0 * D / 4,
+                               ra.fcodes.data() + g0 * D,
+                               ra.scale.data() + g0, ra.offset.data() + g0};
+          gqa_tile<GN, T>(nullptr, tile, nullptr, nullptr, k, k_scale, v,
+                          v_scale, mask, D, E, S, b0, b1, m, l, acc, false);
+        } else if (qb != nullptr) {
           const LatentQuery lq =
               codes ? LatentQuery{ra.codes.data() + g0 * D,
                                   rb.codes.data() + g0 * R,
@@ -1332,13 +1532,15 @@ void attend_all(ffi::ThreadPool& pool, const float* q, const float* qb,
   chunks = std::min<int64_t>(chunks, std::max<int64_t>(1, S / (4 * kBlock)));
   // A multiple of 16 slots: GQA keys come in tiles of 16.
   const int64_t chunk = (S + 16 * chunks - 1) / (16 * chunks) * 16;
-  const int64_t v_pair = S * (qb != nullptr ? R : E);
+  // Elements of T per code: int4 pairs (uint8) hold two.
+  constexpr int64_t per = std::is_same_v<T, uint8_t> ? 2 : 1;
+  const int64_t v_pair = S * (qb != nullptr ? R : E) / per;
   std::vector<Partial> parts(pairs * chunks);
   parallel_for(pool, pairs * chunks, [&](int64_t t) {
     const int64_t p = t / chunks, c = t % chunks;
     const int64_t s0 = std::min(S, c * chunk), s1 = std::min(S, s0 + chunk);
     attend_range<T>(q + p * G * D, qb != nullptr ? qb + p * G * R : nullptr,
-                    k + p * D * S,
+                    k + p * D * S / per,
                     k_scale != nullptr ? k_scale + p * S : nullptr,
                     v + p * v_pair,
                     v_scale != nullptr ? v_scale + p * S : nullptr,
@@ -1392,22 +1594,31 @@ static ffi::Error DecodeAttentionImpl(
     return ffi::Error::InvalidArgument("q and v must be rank 4");
   if (kd.size() != 5 || kd[4] != kLanes)
     return ffi::Error::InvalidArgument("k must be [B, K, S/16, D, 16]");
+  // int4 pairs (u8) hold two codes a byte: keys [B, K, S/16, D/2, 16],
+  // values [B, K, S, E/2].
+  const bool nibbles = k.element_type() == ffi::U8;
+  const int64_t per = nibbles ? 2 : 1;
   const int64_t B = qd[0], K = qd[1], G = qd[2], D = qd[3];
-  const int64_t S = kd[2] * kLanes, E = vd[3];
-  if (kd[0] != B || kd[1] != K || kd[3] != D)
-    return ffi::Error::InvalidArgument("k must be [B, K, S/16, D, 16]");
+  const int64_t S = kd[2] * kLanes, E = vd[3] * per;
+  if (kd[0] != B || kd[1] != K || kd[3] * per != D)
+    return ffi::Error::InvalidArgument(
+        nibbles ? "int4 k must be [B, K, S/16, D/2, 16]"
+                : "k must be [B, K, S/16, D, 16]");
   if (k.element_type() == ffi::S8 && D % 4 != 0)
     return ffi::Error::InvalidArgument("int8 keys: D must be a multiple of 4");
+  if (nibbles && D % 8 != 0)
+    return ffi::Error::InvalidArgument("int4 keys: D must be a multiple of 8");
   if (k.element_type() == ffi::U16 && D % 2 != 0)
     return ffi::Error::InvalidArgument("bfloat16 keys: D must be even");
   if (vd[0] != B || vd[1] != K || vd[2] != S)
-    return ffi::Error::InvalidArgument("v must be [B, K, S, E]");
+    return ffi::Error::InvalidArgument(
+        nibbles ? "int4 v must be [B, K, S, E/2]" : "v must be [B, K, S, E]");
   if (k.element_type() != v.element_type())
     return ffi::Error::InvalidArgument("k and v must share a dtype");
-  const bool codes = k.element_type() == ffi::S8;
+  const bool codes = k.element_type() == ffi::S8 || nibbles;
   const bool scales = k_scale.element_count() > 0;
   if (codes != scales || (v_scale.element_count() > 0) != scales)
-    return ffi::Error::InvalidArgument("scales go with int8 codes only");
+    return ffi::Error::InvalidArgument("scales go with int8 / int4 codes only");
   if (scales && (k_scale.element_count() != B * K * S ||
                  v_scale.element_count() != B * K * S))
     return ffi::Error::InvalidArgument("scales must be [B, K, S]");
@@ -1428,9 +1639,12 @@ static ffi::Error DecodeAttentionImpl(
     case ffi::S8:
       return run<int8_t>(pool, qp, k.untyped_data(), ks, v.untyped_data(), vs,
                          mp, op, B, K, G, D, E, S, scale, bf16_products);
+    case ffi::U8:  // int4 pairs (kvjax.quant.INT4_PAIRS)
+      return run<uint8_t>(pool, qp, k.untyped_data(), ks, v.untyped_data(),
+                          vs, mp, op, B, K, G, D, E, S, scale, bf16_products);
     default:
       return ffi::Error::InvalidArgument(
-          "k: f32, u16 (bfloat16 bits) or s8");
+          "k: f32, u16 (bfloat16 bits), s8 or u8 (int4 pairs)");
   }
 }
 
