@@ -757,18 +757,30 @@ struct QuadQuery {
   const int32_t* offset; // [GN]
 };
 
-// `block_logits` over int8 keys in quad tiles ([D/4, 16, 4] per tile of 16
-// slots) for a query rounded to int8 (`QuadQuery`): integer dot products,
-// exact (|sum| <= D · 127² < 2^24 for D <= 1024, so both paths agree to
-// the bit), times the query's and the keys' scales.
-template <int GN>
-inline void block_logits_quads(const QuadQuery& q, int64_t D,
-                               const int8_t* __restrict__ k,
+// `block_logits` over integer codes for a query rounded to int8
+// (`QuadQuery`): integer dot products, exact (|sum| <= D · 127² < 2^24 for
+// D <= 1024, so every path agrees to the bit), times the query's and the
+// keys' scales. T = int8_t: keys in quad tiles ([D/4, 16, 4] per tile of
+// 16 slots). T = uint8_t: int4 keys read as stored, the tiles of the
+// packed rows (`quant.pack_int4`: byte i holds channel i in its low nibble
+// and channel i + D/2 in its high one) in quads of bytes, [D/8, 16, 4] per
+// tile; a quad's low nibbles are channels 4i..4i+3 and its high ones
+// D/2 + 4i.., so the query's int8 quads serve unchanged (quad i for the
+// low half, D/8 + i for the high). The nibbles are unpacked in registers
+// (a mask, a shift): the step reads half the bytes of an int8 cache, and
+// the sums equal those over the unpacked codes, so the logits are int8's
+// to the bit.
+template <int GN, typename T>
+inline void block_logits_codes(const QuadQuery& q, int64_t D,
+                               const T* __restrict__ k,
                                const float* __restrict__ k_scale,
                                const bool* __restrict__ mask, int64_t b0,
                                int64_t n, float* __restrict__ lg,
                                float* __restrict__ bm) {
+  constexpr bool nibbles = std::is_same_v<T, uint8_t>;
   const int64_t D4 = D / 4;
+  const int64_t row = nibbles ? D / 2 : D;  // bytes a slot's key takes
+  const int64_t units = row / 4;  // 64-byte runs of a tile's keys
   f16v vmax[GN];
   for (int g = 0; g < GN; ++g) vmax[g] = f16v{} + kLowest;
   const float* ks = k_scale + b0;
@@ -778,135 +790,56 @@ inline void block_logits_quads(const QuadQuery& q, int64_t D,
   };
   int64_t j0 = 0;
 #if defined(__AVX512VNNI__)
-  // Keys as unsigned bytes (code + 128: vpdpbusd multiplies unsigned by
-  // signed), the query's four codes broadcast: each lane (slot) gains four
-  // channels' products an instruction. The +128 adds 128 · Σ q_codes to
-  // every slot of a row, taken off before the scales.
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  auto to_f16v = [&](__m512i acc, int g) {
-    const __m512 f = _mm512_cvtepi32_ps(
-        _mm512_sub_epi32(acc, _mm512_set1_epi32(q.offset[g])));
-    f16v r;
-    std::memcpy(&r, &f, sizeof(r));
-    return r;
-  };
-  for (; j0 + 2 * kLanes <= n; j0 += 2 * kLanes) {
-    __m512i a[GN], c[GN];
-    for (int g = 0; g < GN; ++g) a[g] = c[g] = _mm512_setzero_si512();
-    const int8_t* kr = k + (b0 + j0) * D;
-    for (int64_t d4 = 0; d4 < D4; ++d4, kr += 4 * kLanes) {
-      prefetch_l2(kr + 2 * kBlock * D);
-      prefetch_l2(kr + 2 * kBlock * D + kLanes * D);
-      const __m512i k0 = _mm512_xor_si512(_mm512_loadu_si512(kr), flip);
-      const __m512i k1 =
-          _mm512_xor_si512(_mm512_loadu_si512(kr + kLanes * D), flip);
-      for (int g = 0; g < GN; ++g) {
-        const __m512i qv = _mm512_set1_epi32(q.words[g * D4 + d4]);
-        a[g] = _mm512_dpbusd_epi32(a[g], k0, qv);
-        c[g] = _mm512_dpbusd_epi32(c[g], k1, qv);
-      }
-    }
-    for (int g = 0; g < GN; ++g) {
-      finish(g, to_f16v(a[g], g), j0);
-      finish(g, to_f16v(c[g], g), j0 + kLanes);
-    }
-  }
-  for (; j0 < n; j0 += kLanes) {
-    __m512i a[GN];
-    for (int g = 0; g < GN; ++g) a[g] = _mm512_setzero_si512();
-    const int8_t* kr = k + (b0 + j0) * D;
-    for (int64_t d4 = 0; d4 < D4; ++d4, kr += 4 * kLanes) {
-      const __m512i k0 = _mm512_xor_si512(_mm512_loadu_si512(kr), flip);
-      for (int g = 0; g < GN; ++g)
-        a[g] = _mm512_dpbusd_epi32(a[g], k0,
-                                   _mm512_set1_epi32(q.words[g * D4 + d4]));
-    }
-    for (int g = 0; g < GN; ++g) finish(g, to_f16v(a[g], g), j0);
-  }
-#else
-  // Portable: each quad's four codes unpacked from the 32-bit lanes
-  // (shift left, arithmetic shift right), float multiply-adds of the
-  // query's codes: the same integers, summed exactly.
-  for (; j0 < n; j0 += kLanes) {
-    f16v a[GN];
-    for (int g = 0; g < GN; ++g) a[g] = f16v{};
-    const int8_t* kr = k + (b0 + j0) * D;
-    for (int64_t d4 = 0; d4 < D4; ++d4, kr += 4 * kLanes) {
-      prefetch_l2(kr + 2 * kBlock * D);
-      i32x16 w;
-      std::memcpy(&w, kr, sizeof(w));
-      for (int c = 0; c < 4; ++c) {
-        const f16v kc =
-            __builtin_convertvector((w << (24 - 8 * c)) >> 24, f16v);
-        for (int g = 0; g < GN; ++g)
-          a[g] += q.codes[g * D + 4 * d4 + c] * kc;
-      }
-    }
-    for (int g = 0; g < GN; ++g) finish(g, a[g], j0);
-  }
-#endif
-  for (int g = 0; g < GN; ++g) bm[g] = hmax(vmax[g]);
-}
-
-// `block_logits_quads` over int4 keys read as stored: tiles of 16 slots'
-// packed rows (`quant.pack_int4`: byte i holds channel i in its low nibble
-// and channel i + D/2 in its high one) in quads of bytes, [D/8, 16, 4] per
-// tile (`tile_keys` of the packed [S, D/2] bytes). A quad's low nibbles
-// are channels 4i..4i+3 and its high ones D/2 + 4i.., so the query's int8
-// quads serve unchanged: quad i for the low half, D/8 + i for the high.
-// Unpacked in registers (a mask, a shift; the stored two's-complement
-// nibbles flipped to code + 8, unsigned for vpdpbusd): the step reads half
-// the bytes of an int8 cache, and the integer sums equal those over the
-// unpacked codes, so the logits are int8's to the bit.
-template <int GN>
-inline void block_logits_nibbles(const QuadQuery& q, int64_t D,
-                                 const uint8_t* __restrict__ k,
-                                 const float* __restrict__ k_scale,
-                                 const bool* __restrict__ mask, int64_t b0,
-                                 int64_t n, float* __restrict__ lg,
-                                 float* __restrict__ bm) {
-  const int64_t D2 = D / 2, D4 = D / 4, D8 = D / 8;
-  f16v vmax[GN];
-  for (int g = 0; g < GN; ++g) vmax[g] = f16v{} + kLowest;
-  const float* ks = k_scale + b0;
-  auto finish = [&](int g, f16v sum, int64_t j) {
-    store16(lg + g * kBlock + j,
-            finish16(sum * q.scale[g], ks + j, mask + b0 + j, vmax[g]));
-  };
-  int64_t j0 = 0;
-#if defined(__AVX512VNNI__)
-  // Unsigned nibbles code + 8: the sum gains 8 · Σ q_codes, a sixteenth
-  // of the int8 path's offset (128 · Σ q_codes), taken off before the
-  // scales.
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x88));
+  // Keys as unsigned bytes, the query's four codes broadcast (vpdpbusd
+  // multiplies unsigned by signed): each lane (slot) gains four channels'
+  // products an instruction. int8 codes + 128 (the sign bit flipped) add
+  // 128 · Σ q_codes to every slot of a row; int4's two's-complement
+  // nibbles flipped to code + 8 add 8 · Σ q_codes, a sixteenth. Taken off
+  // before the scales.
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(nibbles ? 0x88
+                                                                   : 0x80));
   const __m512i low = _mm512_set1_epi8(0x0F);
   auto to_f16v = [&](__m512i acc, int g) {
-    const __m512 f = _mm512_cvtepi32_ps(
-        _mm512_sub_epi32(acc, _mm512_set1_epi32(q.offset[g] / 16)));
+    const __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(
+        acc, _mm512_set1_epi32(q.offset[g] / (nibbles ? 16 : 1))));
     f16v r;
     std::memcpy(&r, &f, sizeof(r));
     return r;
   };
-  auto halves = [&](const uint8_t* p, __m512i& lo, __m512i& hi) {
+  // One 64-byte run of a tile as unsigned codes: int8 one quad of each
+  // slot (lo), int4 two (lo from the low nibbles, hi from the high).
+  auto unpack = [&](const T* p, __m512i& lo, __m512i& hi) {
     const __m512i y = _mm512_xor_si512(_mm512_loadu_si512(p), flip);
-    lo = _mm512_and_si512(y, low);
-    hi = _mm512_and_si512(_mm512_srli_epi32(y, 4), low);
+    if constexpr (nibbles) {
+      lo = _mm512_and_si512(y, low);
+      hi = _mm512_and_si512(_mm512_srli_epi32(y, 4), low);
+    } else {
+      lo = hi = y;
+    }
+  };
+  // Run u's products into a row's sums: quad u (int8); quads u and
+  // D/8 + u (int4).
+  auto add = [&](__m512i acc, __m512i lo, __m512i hi, int g, int64_t u) {
+    acc = _mm512_dpbusd_epi32(acc, lo,
+                              _mm512_set1_epi32(q.words[g * D4 + u]));
+    if constexpr (nibbles)
+      acc = _mm512_dpbusd_epi32(
+          acc, hi, _mm512_set1_epi32(q.words[g * D4 + units + u]));
+    return acc;
   };
   for (; j0 + 2 * kLanes <= n; j0 += 2 * kLanes) {
     __m512i a[GN], c[GN];
     for (int g = 0; g < GN; ++g) a[g] = c[g] = _mm512_setzero_si512();
-    const uint8_t* kr = k + (b0 + j0) * D2;
-    for (int64_t d8 = 0; d8 < D8; ++d8, kr += 4 * kLanes) {
-      prefetch_l2(kr + 2 * kBlock * D2);
-      prefetch_l2(kr + 2 * kBlock * D2 + kLanes * D2);
+    const T* kr = k + (b0 + j0) * row;
+    for (int64_t u = 0; u < units; ++u, kr += 4 * kLanes) {
+      prefetch_l2(kr + 2 * kBlock * row);
+      prefetch_l2(kr + 2 * kBlock * row + kLanes * row);
       __m512i l0, h0, l1, h1;
-      halves(kr, l0, h0);
-      halves(kr + kLanes * D2, l1, h1);
+      unpack(kr, l0, h0);
+      unpack(kr + kLanes * row, l1, h1);
       for (int g = 0; g < GN; ++g) {
-        const __m512i ql = _mm512_set1_epi32(q.words[g * D4 + d8]);
-        const __m512i qh = _mm512_set1_epi32(q.words[g * D4 + D8 + d8]);
-        a[g] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(a[g], l0, ql), h0, qh);
-        c[g] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(c[g], l1, ql), h1, qh);
+        a[g] = add(a[g], l0, h0, g, u);
+        c[g] = add(c[g], l1, h1, g, u);
       }
     }
     for (int g = 0; g < GN; ++g) {
@@ -917,37 +850,42 @@ inline void block_logits_nibbles(const QuadQuery& q, int64_t D,
   for (; j0 < n; j0 += kLanes) {
     __m512i a[GN];
     for (int g = 0; g < GN; ++g) a[g] = _mm512_setzero_si512();
-    const uint8_t* kr = k + (b0 + j0) * D2;
-    for (int64_t d8 = 0; d8 < D8; ++d8, kr += 4 * kLanes) {
+    const T* kr = k + (b0 + j0) * row;
+    for (int64_t u = 0; u < units; ++u, kr += 4 * kLanes) {
       __m512i l0, h0;
-      halves(kr, l0, h0);
-      for (int g = 0; g < GN; ++g)
-        a[g] = _mm512_dpbusd_epi32(
-            _mm512_dpbusd_epi32(a[g], l0,
-                                _mm512_set1_epi32(q.words[g * D4 + d8])),
-            h0, _mm512_set1_epi32(q.words[g * D4 + D8 + d8]));
+      unpack(kr, l0, h0);
+      for (int g = 0; g < GN; ++g) a[g] = add(a[g], l0, h0, g, u);
     }
     for (int g = 0; g < GN; ++g) finish(g, to_f16v(a[g], g), j0);
   }
 #else
-  // Portable: each byte's two nibbles sign-extended from the 32-bit lanes,
-  // float multiply-adds of the query's codes: the same integers, exact.
+  // Portable: each quad's codes unpacked from the 32-bit lanes (shift
+  // left, arithmetic shift right: bytes, or int4's two nibbles a byte),
+  // float multiply-adds of the query's codes: the same integers, summed
+  // exactly.
   for (; j0 < n; j0 += kLanes) {
     f16v a[GN];
     for (int g = 0; g < GN; ++g) a[g] = f16v{};
-    const uint8_t* kr = k + (b0 + j0) * D2;
-    for (int64_t d8 = 0; d8 < D8; ++d8, kr += 4 * kLanes) {
-      prefetch_l2(kr + 2 * kBlock * D2);
+    const T* kr = k + (b0 + j0) * row;
+    for (int64_t u = 0; u < units; ++u, kr += 4 * kLanes) {
+      prefetch_l2(kr + 2 * kBlock * row);
       i32x16 w;
       std::memcpy(&w, kr, sizeof(w));
       for (int c = 0; c < 4; ++c) {
-        const f16v lo = __builtin_convertvector((w << (28 - 8 * c)) >> 28,
-                                                f16v);
-        const f16v hi = __builtin_convertvector((w << (24 - 8 * c)) >> 28,
-                                                f16v);
-        for (int g = 0; g < GN; ++g) {
-          a[g] += q.codes[g * D + 4 * d8 + c] * lo;
-          a[g] += q.codes[g * D + D2 + 4 * d8 + c] * hi;
+        if constexpr (nibbles) {
+          const f16v lo =
+              __builtin_convertvector((w << (28 - 8 * c)) >> 28, f16v);
+          const f16v hi =
+              __builtin_convertvector((w << (24 - 8 * c)) >> 28, f16v);
+          for (int g = 0; g < GN; ++g) {
+            a[g] += q.codes[g * D + 4 * u + c] * lo;
+            a[g] += q.codes[g * D + row + 4 * u + c] * hi;
+          }
+        } else {
+          const f16v kc =
+              __builtin_convertvector((w << (24 - 8 * c)) >> 24, f16v);
+          for (int g = 0; g < GN; ++g)
+            a[g] += q.codes[g * D + 4 * u + c] * kc;
         }
       }
     }
@@ -1210,6 +1148,36 @@ inline void block_logits_rows(const float* __restrict__ qa, int64_t A,
   }
 }
 
+// acc[g][e0 .. e0 + 15] += sum_j p[g][j] · row(j) over a block's n slots,
+// row(j) slot j's 16 value channels as floats; fetch(j) prefetches what
+// slot j two blocks ahead will read. Even and odd slots go into separate
+// sums (the multiply-add latency), added at the end.
+template <int GN, typename Row, typename Fetch>
+inline void value_channels(const float* __restrict__ p, const Row& row,
+                           const Fetch& fetch, int64_t n,
+                           float* __restrict__ acc, int64_t E, int64_t e0) {
+  f16v a[GN], c[GN];
+  for (int g = 0; g < GN; ++g) {
+    a[g] = load16(acc + g * E + e0);
+    c[g] = f16v{};
+  }
+  int64_t j = 0;
+  for (; j + 2 <= n; j += 2) {
+    fetch(j);
+    fetch(j + 1);
+    const f16v v0 = row(j), v1 = row(j + 1);
+    for (int g = 0; g < GN; ++g) {
+      a[g] += p[g * kBlock + j] * v0;
+      c[g] += p[g * kBlock + j + 1] * v1;
+    }
+  }
+  for (; j < n; ++j) {
+    const f16v vv = row(j);
+    for (int g = 0; g < GN; ++g) a[g] += p[g * kBlock + j] * vv;
+  }
+  for (int g = 0; g < GN; ++g) store16(acc + g * E + e0, a[g] + c[g]);
+}
+
 // acc[g][e] += sum_j p[g][j] · v[j][e] over values [S, E]; with `ahead`,
 // prefetching the values two blocks ahead (MLA's values are its latents,
 // which the logits prefetch already).
@@ -1217,37 +1185,19 @@ template <int GN, typename VT, bool ahead = true>
 inline void block_values(const float* __restrict__ p,
                          const VT* __restrict__ v, int64_t E, int64_t b0,
                          int64_t n, float* __restrict__ acc) {
+  const VT* vb = v + b0 * E;
   int64_t e0 = 0;
-  for (; e0 + kLanes <= E; e0 += kLanes) {
-    // Even and odd slots into separate sums (the multiply-add latency).
-    f16v a[GN], c[GN];
-    for (int g = 0; g < GN; ++g) {
-      a[g] = load16(acc + g * E + e0);
-      c[g] = f16v{};
-    }
-    const VT* vr = v + b0 * E + e0;
-    int64_t j = 0;
-    for (; j + 2 <= n; j += 2, vr += 2 * E) {
-      if (ahead) {
-        prefetch_l2(vr + 2 * kBlock * E);
-        prefetch_l2(vr + 2 * kBlock * E + E);
-      }
-      const f16v v0 = load16(vr), v1 = load16(vr + E);
-      for (int g = 0; g < GN; ++g) {
-        a[g] += p[g * kBlock + j] * v0;
-        c[g] += p[g * kBlock + j + 1] * v1;
-      }
-    }
-    for (; j < n; ++j, vr += E) {
-      const f16v vv = load16(vr);
-      for (int g = 0; g < GN; ++g) a[g] += p[g * kBlock + j] * vv;
-    }
-    for (int g = 0; g < GN; ++g) store16(acc + g * E + e0, a[g] + c[g]);
-  }
+  for (; e0 + kLanes <= E; e0 += kLanes)
+    value_channels<GN>(
+        p, [&](int64_t j) { return load16(vb + j * E + e0); },
+        [&](int64_t j) {
+          if (ahead) prefetch_l2(vb + (j + 2 * kBlock) * E + e0);
+        },
+        n, acc, E, e0);
   for (; e0 < E; ++e0)  // channels past the last multiple of 16
     for (int g = 0; g < GN; ++g)
       for (int64_t j = 0; j < n; ++j)
-        acc[g * E + e0] += p[g * kBlock + j] * load1(v[(b0 + j) * E + e0]);
+        acc[g * E + e0] += p[g * kBlock + j] * load1(vb[j * E + e0]);
 }
 
 // `block_values` over int4 values read as stored, rows of E/2 bytes
@@ -1261,41 +1211,22 @@ inline void block_values_nibbles(const float* __restrict__ p,
                                  int64_t b0, int64_t n,
                                  float* __restrict__ acc) {
   const int64_t E2 = E / 2;
+  const uint8_t* vb = v + b0 * E2;
   for (int half = 0; half < 2; ++half) {
     const bool high = half == 1;
     int64_t i0 = 0;  // byte in the row; channel half · E2 + i0
-    for (; i0 + kLanes <= E2; i0 += kLanes) {
-      const int64_t e0 = half * E2 + i0;
-      f16v a[GN], c[GN];
-      for (int g = 0; g < GN; ++g) {
-        a[g] = load16(acc + g * E + e0);
-        c[g] = f16v{};
-      }
-      const uint8_t* vr = v + b0 * E2 + i0;
-      int64_t j = 0;
-      for (; j + 2 <= n; j += 2, vr += 2 * E2) {
-        if (!high) {  // the high half re-reads what the low one brought
-          prefetch_l2(vr + 2 * kBlock * E2);
-          prefetch_l2(vr + 2 * kBlock * E2 + E2);
-        }
-        const f16v v0 = load16_nibbles(vr, high);
-        const f16v v1 = load16_nibbles(vr + E2, high);
-        for (int g = 0; g < GN; ++g) {
-          a[g] += p[g * kBlock + j] * v0;
-          c[g] += p[g * kBlock + j + 1] * v1;
-        }
-      }
-      for (; j < n; ++j, vr += E2) {
-        const f16v vv = load16_nibbles(vr, high);
-        for (int g = 0; g < GN; ++g) a[g] += p[g * kBlock + j] * vv;
-      }
-      for (int g = 0; g < GN; ++g) store16(acc + g * E + e0, a[g] + c[g]);
-    }
+    for (; i0 + kLanes <= E2; i0 += kLanes)
+      value_channels<GN>(
+          p, [&](int64_t j) { return load16_nibbles(vb + j * E2 + i0, high); },
+          [&](int64_t j) {  // the high half re-reads what the low one brought
+            if (!high) prefetch_l2(vb + (j + 2 * kBlock) * E2 + i0);
+          },
+          n, acc, E, half * E2 + i0);
     for (; i0 < E2; ++i0)  // bytes past the last multiple of 16
       for (int g = 0; g < GN; ++g)
         for (int64_t j = 0; j < n; ++j)
           acc[g * E + half * E2 + i0] +=
-              p[g * kBlock + j] * load1_nibble(v[(b0 + j) * E2 + i0], high);
+              p[g * kBlock + j] * load1_nibble(vb[j * E2 + i0], high);
   }
 }
 
@@ -1365,10 +1296,10 @@ void gqa_tile(const float* qg, const QuadQuery& quads, const uint32_t* qw,
   constexpr bool pairs = std::is_same_v<T, uint16_t>;
   attend_tile<GN, T, true, pairs>(
       [&](int64_t b0, int64_t n, float* lg, float* bm) {
-        if constexpr (std::is_same_v<T, int8_t>) {
-          block_logits_quads<GN>(quads, D, k, k_scale, mask, b0, n, lg, bm);
-        } else if constexpr (std::is_same_v<T, uint8_t>) {
-          block_logits_nibbles<GN>(quads, D, k, k_scale, mask, b0, n, lg, bm);
+        if constexpr (std::is_same_v<T, int8_t> ||
+                      std::is_same_v<T, uint8_t>) {  // int8, int4 codes
+          block_logits_codes<GN, T>(quads, D, k, k_scale, mask, b0, n, lg,
+                                    bm);
         } else if constexpr (pairs) {
           block_logits_pairs<GN>(qw, qf, D, k, mask, b0, n, lg, bm, dot);
         } else {
@@ -1427,7 +1358,7 @@ void attend_range(const float* q, const float* qb, const T* k,
   for (size_t i = 0; i < qbs.size(); ++i) qbs[i] = qb[i] * scale;
   // Over int8 codes the scaled query is rounded (`RoundedRows`): GQA's
   // rows against the quad tiles, MLA's latent and rotary parts apart.
-  // (int4 pairs, uint8, take the int8 query: `block_logits_nibbles`.)
+  // (int4 pairs, uint8, take the int8 query: `block_logits_codes`.)
   constexpr bool codes =
       std::is_same_v<T, int8_t> || std::is_same_v<T, uint8_t>;
   const RoundedRows ra = codes ? RoundedRows(qs.data(), G, D) : RoundedRows();
