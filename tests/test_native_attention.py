@@ -474,6 +474,27 @@ class NativeViewTest(parameterized.TestCase):
     # stored code by one step, hence the storage's tolerance.
     assert_close(logits, ref_logits, tiny(variant), cache=kv)
 
+  def test_int4_view_holds_the_stored_pairs(self):
+    # The kernel's view of an int4 cache keeps its pairs as stored (uint8,
+    # H/2 bytes a slot: half an int8 view's code bytes), and writing it
+    # back gives the cache bit for bit.
+    config = tiny("gqa")
+    cache = cache_lib.init_cache(
+        config, 2, 64, policy=cache_lib.CachePolicy(kv_dtype="int4"))
+    rng = np.random.default_rng(0)
+    cache = cache.replace(
+        k=jnp.asarray(rng.integers(0, 256, cache.k.shape), jnp.uint8),
+        v=jnp.asarray(rng.integers(0, 256, cache.v.shape), jnp.uint8))
+    view = native_layered.from_cache(cache, 32)
+    L, B, K, _, H2 = cache.k.shape
+    self.assertLen(view.k, L)
+    self.assertEqual(view.k[0].dtype, quant.INT4_PAIRS)
+    self.assertEqual(view.k[0].shape, (B, K, 2, H2, 16))
+    self.assertEqual(view.v[0].shape, (B, K, 32, H2))
+    back = native_layered.into_cache(cache, view)
+    np.testing.assert_array_equal(np.asarray(back.k), np.asarray(cache.k))
+    np.testing.assert_array_equal(np.asarray(back.v), np.asarray(cache.v))
+
   def test_auto_takes_the_xla_views_where_the_kernel_is_not_preferred(self):
     config = tiny("gqa")
     params = kvjax.pack(tiny_params("gqa"), config)
