@@ -175,6 +175,25 @@ inline f16v load16_nibbles(const uint8_t* p, bool high) {
 #endif
   return out;
 }
+// Both codes of each of 16 bytes: lo gets the low nibbles, hi the high
+// ones (one load and sign extension for 32 codes).
+inline void load16_nibble_pair(const uint8_t* p, f16v& lo, f16v& hi) {
+#if defined(__AVX512F__)
+  const __m512i x = _mm512_cvtepi8_epi32(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512 l = _mm512_cvtepi32_ps(
+      _mm512_srai_epi32(_mm512_slli_epi32(x, 28), 28));
+  const __m512 h = _mm512_cvtepi32_ps(_mm512_srai_epi32(x, 4));
+  std::memcpy(&lo, &l, sizeof(lo));
+  std::memcpy(&hi, &h, sizeof(hi));
+#else
+  i8x16 b;
+  std::memcpy(&b, p, sizeof(b));
+  const i32x16 x = __builtin_convertvector(b, i32x16);
+  lo = __builtin_convertvector((x << 28) >> 28, f16v);
+  hi = __builtin_convertvector(x >> 4, f16v);
+#endif
+}
 inline float load1_nibble(uint8_t byte, bool high) {
   const int32_t x = static_cast<int8_t>(byte);
   const int32_t low = static_cast<int32_t>(static_cast<uint32_t>(x) << 28);
@@ -1148,34 +1167,44 @@ inline void block_logits_rows(const float* __restrict__ qa, int64_t A,
   }
 }
 
-// acc[g][e0 .. e0 + 15] += sum_j p[g][j] · row(j) over a block's n slots,
-// row(j) slot j's 16 value channels as floats; fetch(j) prefetches what
-// slot j two blocks ahead will read. Even and odd slots go into separate
-// sums (the multiply-add latency), added at the end.
-template <int GN, typename Row, typename Fetch>
+// For each of W blocks of 16 value channels starting at e0[w]:
+// acc[g][e0[w] ..] += sum_j p[g][j] · v_w(j) over a block's n slots, where
+// row(j, v) sets v[w] to slot j's 16 channels of block w as floats; fetch(j)
+// prefetches what slot j two blocks ahead will read. Even and odd slots go
+// into separate sums (the multiply-add latency), added at the end.
+template <int GN, int W, typename Row, typename Fetch>
 inline void value_channels(const float* __restrict__ p, const Row& row,
                            const Fetch& fetch, int64_t n,
-                           float* __restrict__ acc, int64_t E, int64_t e0) {
-  f16v a[GN], c[GN];
-  for (int g = 0; g < GN; ++g) {
-    a[g] = load16(acc + g * E + e0);
-    c[g] = f16v{};
-  }
+                           float* __restrict__ acc, int64_t E,
+                           const int64_t (&e0)[W]) {
+  f16v a[W][GN], c[W][GN];
+  for (int w = 0; w < W; ++w)
+    for (int g = 0; g < GN; ++g) {
+      a[w][g] = load16(acc + g * E + e0[w]);
+      c[w][g] = f16v{};
+    }
   int64_t j = 0;
   for (; j + 2 <= n; j += 2) {
     fetch(j);
     fetch(j + 1);
-    const f16v v0 = row(j), v1 = row(j + 1);
-    for (int g = 0; g < GN; ++g) {
-      a[g] += p[g * kBlock + j] * v0;
-      c[g] += p[g * kBlock + j + 1] * v1;
-    }
+    f16v v0[W], v1[W];
+    row(j, v0);
+    row(j + 1, v1);
+    for (int w = 0; w < W; ++w)
+      for (int g = 0; g < GN; ++g) {
+        a[w][g] += p[g * kBlock + j] * v0[w];
+        c[w][g] += p[g * kBlock + j + 1] * v1[w];
+      }
   }
   for (; j < n; ++j) {
-    const f16v vv = row(j);
-    for (int g = 0; g < GN; ++g) a[g] += p[g * kBlock + j] * vv;
+    f16v vv[W];
+    row(j, vv);
+    for (int w = 0; w < W; ++w)
+      for (int g = 0; g < GN; ++g) a[w][g] += p[g * kBlock + j] * vv[w];
   }
-  for (int g = 0; g < GN; ++g) store16(acc + g * E + e0, a[g] + c[g]);
+  for (int w = 0; w < W; ++w)
+    for (int g = 0; g < GN; ++g)
+      store16(acc + g * E + e0[w], a[w][g] + c[w][g]);
 }
 
 // acc[g][e] += sum_j p[g][j] · v[j][e] over values [S, E]; with `ahead`,
@@ -1188,12 +1217,12 @@ inline void block_values(const float* __restrict__ p,
   const VT* vb = v + b0 * E;
   int64_t e0 = 0;
   for (; e0 + kLanes <= E; e0 += kLanes)
-    value_channels<GN>(
-        p, [&](int64_t j) { return load16(vb + j * E + e0); },
+    value_channels<GN, 1>(
+        p, [&](int64_t j, f16v* r) { r[0] = load16(vb + j * E + e0); },
         [&](int64_t j) {
           if (ahead) prefetch_l2(vb + (j + 2 * kBlock) * E + e0);
         },
-        n, acc, E, e0);
+        n, acc, E, {e0});
   for (; e0 < E; ++e0)  // channels past the last multiple of 16
     for (int g = 0; g < GN; ++g)
       for (int64_t j = 0; j < n; ++j)
@@ -1202,9 +1231,11 @@ inline void block_values(const float* __restrict__ p,
 
 // `block_values` over int4 values read as stored, rows of E/2 bytes
 // (`quant.pack_int4`: channel i in byte i's low nibble, i + E/2 in its
-// high one). Each half of the channels in blocks of 16 as `block_values`
-// takes them, in the same order over the same codes: int8's sums to the
-// bit where E/2 is a multiple of 16.
+// high one), in blocks of 16 channels as `block_values` takes them, in the
+// same order over the same codes: int8's sums to the bit where E/2 is a
+// multiple of 16. Up to 4 query rows hold both halves' sums in registers,
+// so each 16 bytes are loaded and sign-extended once for 32 channels;
+// wider tiles take the halves one after the other.
 template <int GN>
 inline void block_values_nibbles(const float* __restrict__ p,
                                  const uint8_t* __restrict__ v, int64_t E,
@@ -1212,22 +1243,40 @@ inline void block_values_nibbles(const float* __restrict__ p,
                                  float* __restrict__ acc) {
   const int64_t E2 = E / 2;
   const uint8_t* vb = v + b0 * E2;
-  for (int half = 0; half < 2; ++half) {
-    const bool high = half == 1;
-    int64_t i0 = 0;  // byte in the row; channel half · E2 + i0
+  auto fetch_at = [&](int64_t i0) {
+    return [vb, E2, i0](int64_t j) {
+      prefetch_l2(vb + (j + 2 * kBlock) * E2 + i0);
+    };
+  };
+  int64_t i0 = 0;  // byte in the row: channels i0 (low) and E2 + i0 (high)
+  if constexpr (GN <= 4) {
     for (; i0 + kLanes <= E2; i0 += kLanes)
-      value_channels<GN>(
-          p, [&](int64_t j) { return load16_nibbles(vb + j * E2 + i0, high); },
-          [&](int64_t j) {  // the high half re-reads what the low one brought
-            if (!high) prefetch_l2(vb + (j + 2 * kBlock) * E2 + i0);
+      value_channels<GN, 2>(
+          p,
+          [&](int64_t j, f16v* r) {
+            load16_nibble_pair(vb + j * E2 + i0, r[0], r[1]);
           },
-          n, acc, E, half * E2 + i0);
-    for (; i0 < E2; ++i0)  // bytes past the last multiple of 16
+          fetch_at(i0), n, acc, E, {i0, E2 + i0});
+  } else {
+    for (; i0 + kLanes <= E2; i0 += kLanes)
+      for (int half = 0; half < 2; ++half) {
+        const bool high = half == 1;
+        value_channels<GN, 1>(
+            p,
+            [&](int64_t j, f16v* r) {
+              r[0] = load16_nibbles(vb + j * E2 + i0, high);
+            },
+            // the high half re-reads what the low one brought
+            [&](int64_t j) { if (!high) fetch_at(i0)(j); },
+            n, acc, E, {half * E2 + i0});
+      }
+  }
+  for (; i0 < E2; ++i0)  // bytes past the last multiple of 16
+    for (int half = 0; half < 2; ++half)
       for (int g = 0; g < GN; ++g)
         for (int64_t j = 0; j < n; ++j)
           acc[g * E + half * E2 + i0] +=
-              p[g * kBlock + j] * load1_nibble(vb[j * E2 + i0], high);
-  }
+              p[g * kBlock + j] * load1_nibble(vb[j * E2 + i0], half == 1);
 }
 
 // One tile of GN query rows over slots [s0, s1): the online softmax.
