@@ -155,28 +155,9 @@ inline f16v load16(const int8_t* p) {
 }
 inline void store16(float* p, f16v x) { std::memcpy(p, &x, sizeof(x)); }
 
-// int4 pairs (uint8, two's-complement nibbles; `quant.pack_int4`): one
-// code of each of 16 bytes as floats, the low nibbles (high = false) or
-// the high ones, sign-extended.
-inline f16v load16_nibbles(const uint8_t* p, bool high) {
-  f16v out;
-#if defined(__AVX512F__)
-  const __m512i x = _mm512_cvtepi8_epi32(
-      _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m512i c = high ? _mm512_srai_epi32(x, 4)
-                         : _mm512_srai_epi32(_mm512_slli_epi32(x, 28), 28);
-  const __m512 r = _mm512_cvtepi32_ps(c);
-  std::memcpy(&out, &r, sizeof(out));
-#else
-  i8x16 b;
-  std::memcpy(&b, p, sizeof(b));
-  const i32x16 x = __builtin_convertvector(b, i32x16);
-  out = __builtin_convertvector(high ? x >> 4 : (x << 28) >> 28, f16v);
-#endif
-  return out;
-}
-// Both codes of each of 16 bytes: lo gets the low nibbles, hi the high
-// ones (one load and sign extension for 32 codes).
+// int4 pairs (uint8, two's-complement nibbles; `quant.pack_int4`): both
+// codes of each of 16 bytes as floats, sign-extended: lo gets the low
+// nibbles, hi the high ones (one load and sign extension for 32 codes).
 inline void load16_nibble_pair(const uint8_t* p, f16v& lo, f16v& hi) {
 #if defined(__AVX512F__)
   const __m512i x = _mm512_cvtepi8_epi32(
@@ -193,6 +174,13 @@ inline void load16_nibble_pair(const uint8_t* p, f16v& lo, f16v& hi) {
   lo = __builtin_convertvector((x << 28) >> 28, f16v);
   hi = __builtin_convertvector(x >> 4, f16v);
 #endif
+}
+// One half of them (the other half's work is dead code, compiled away).
+template <bool high>
+inline f16v load16_nibbles(const uint8_t* p) {
+  f16v lo, hi;
+  load16_nibble_pair(p, lo, hi);
+  return high ? hi : lo;
 }
 inline float load1_nibble(uint8_t byte, bool high) {
   const int32_t x = static_cast<int8_t>(byte);
@@ -1258,18 +1246,23 @@ inline void block_values_nibbles(const float* __restrict__ p,
           },
           fetch_at(i0), n, acc, E, {i0, E2 + i0});
   } else {
-    for (; i0 + kLanes <= E2; i0 += kLanes)
-      for (int half = 0; half < 2; ++half) {
-        const bool high = half == 1;
+    // One half of the channels after the other (one block of sums each).
+    auto half = [&](auto high_tag) {
+      constexpr bool high = decltype(high_tag)::value;
+      for (int64_t b = 0; b + kLanes <= E2; b += kLanes)
         value_channels<GN, 1>(
             p,
             [&](int64_t j, f16v* r) {
-              r[0] = load16_nibbles(vb + j * E2 + i0, high);
+              r[0] = load16_nibbles<high>(vb + j * E2 + b);
             },
-            // the high half re-reads what the low one brought
-            [&](int64_t j) { if (!high) fetch_at(i0)(j); },
-            n, acc, E, {half * E2 + i0});
-      }
+            [&](int64_t j) {  // the high half re-reads what the low brought
+              if constexpr (!high) fetch_at(b)(j);
+            },
+            n, acc, E, {high * E2 + b});
+    };
+    half(std::false_type());
+    half(std::true_type());
+    i0 = E2 / kLanes * kLanes;
   }
   for (; i0 < E2; ++i0)  // bytes past the last multiple of 16
     for (int half = 0; half < 2; ++half)
