@@ -96,6 +96,9 @@ PAIR = 2  # bfloat16 channels of a slot kept adjacent (one vdpbf16ps)
 # The bfloat16 products' forms (the kernel's `Bf16Form`): 'auto' leaves
 # the choice to the kernel's measurement (`bf16_dot_products`).
 BF16_PRODUCTS = {"auto": 0, "dot": 1, "fma": 2}
+# MLA's latent products (the kernel's `LatentForm`): 'auto' takes AMX tiles
+# where `latent_amx` and the latents fit them (`amx_fits`), else 'vector'.
+LATENT_PRODUCTS = {"auto": 0, "amx": 1, "vector": 2}
 
 
 def group_width(dtype) -> int:
@@ -261,6 +264,28 @@ def bf16_product_times() -> dict[str, float]:
 
 
 @functools.lru_cache(maxsize=None)
+def latent_amx() -> bool:
+  """Whether this host runs MLA's bfloat16 and int8 latents on AMX tiles
+  (`latent_attend`'s 'auto'): the build has AMX (Intel Xeon from Sapphire
+  Rapids) and Linux grants this process the tile state. Where it does, the
+  absorbed step's products, N · (2C + R) per cached token, stop binding
+  it (WORKSPACE.md "Quantized caches, and the cache-dominated regime")."""
+  _require("latent_amx")
+  return bool(_library().KvjaxLatentAmx())
+
+
+def amx_fits(dtype, C: int, R: int) -> bool:
+  """Whether latents of `dtype` with C latent and R rotary channels fit the
+  kernel's AMX tiles: bfloat16 bits or int8 codes, each latent row whole
+  64-byte tile rows, the rotary row whole 4-byte words of at most 64."""
+  dtype = jnp.dtype(dtype)
+  if dtype not in (quant.BF16_BITS, jnp.dtype(jnp.int8)):
+    return False
+  elem = dtype.itemsize
+  return C > 0 and C * elem % 64 == 0 and R * elem % 4 == 0 and R * elem <= 64
+
+
+@functools.lru_cache(maxsize=None)
 def preferred() -> bool:
   """Whether 'auto' decode takes the kernel: where it is available and the
   host has AVX-512 (`KVJAX_NATIVE=1` takes it wherever it builds).
@@ -372,7 +397,8 @@ def decode_attend(q_BKGD, k_tiles, v, mask_BS, scale: float,
 
 
 def latent_attend(q_lat_BNC, q_rope_BNR, c_BSC, r_BSR, mask_BS,
-                  scale: float, c_scale_BS=None, r_scale_BS=None):
+                  scale: float, c_scale_BS=None, r_scale_BS=None,
+                  latent_products: str = "auto"):
   """MLA's absorbed decode attention (`mla.absorbed_decode`'s semantics) of
   one query token per sequence over per-layer latents, keys and values at
   once.
@@ -386,6 +412,13 @@ def latent_attend(q_lat_BNC, q_rope_BNR, c_BSC, r_BSR, mask_BS,
     scale: softmax scale.
     c_scale_BS, r_scale_BS: float32 per-token scales of int8 codes (and
       only of them): the latent is c · c_scale, the rotary key r · r_scale.
+    latent_products: how the products run: 'amx' (AMX tiles: the
+      bfloat16 products take the scaled query and the probabilities
+      rounded to bfloat16, FlashAttention's numerics; int8 logits are the
+      exact integer dots of the vector path, the weights rounded to
+      bfloat16 against the codes), 'vector' (float query and
+      probabilities; int8 logits by VNNI), or 'auto' (AMX where
+      `latent_amx` and `amx_fits`, else vector).
   Returns:
     o_lat_BNC float32, the latent output (before W_UV).
   Raises:
@@ -402,6 +435,16 @@ def latent_attend(q_lat_BNC, q_rope_BNR, c_BSC, r_BSR, mask_BS,
                      "the same")
   int8 = c_BSC.dtype == jnp.int8
   _check_scales("latent_attend", int8, c_scale_BS, r_scale_BS)
+  if latent_products not in LATENT_PRODUCTS:
+    raise ValueError(f"latent_attend: latent_products={latent_products!r}, "
+                     f"not one of {sorted(LATENT_PRODUCTS)}")
+  if latent_products == "amx" and not (latent_amx() and
+                                       amx_fits(c_BSC.dtype, C, R)):
+    raise ValueError(
+        f"latent_attend: latent_products='amx' cannot run latents "
+        f"{jnp.dtype(c_BSC.dtype)} C={C} R={R} here (latent_amx() is "
+        f"{latent_amx()}; `amx_fits` wants bfloat16 / int8 with C·bytes a "
+        "multiple of 64 and R·bytes whole words up to 64)")
   if (q_rope_BNR.shape != (B, N, R) or c_BSC.shape != (B, S, C) or
       r_BSR.shape != (B, S, R) or mask_BS.shape != (B, S) or
       (int8 and (c_scale_BS.shape != (B, S) or r_scale_BS.shape != (B, S)))):
@@ -417,4 +460,5 @@ def latent_attend(q_lat_BNC, q_rope_BNR, c_BSC, r_BSR, mask_BS,
   return call(q_lat_BNC.astype(jnp.float32), q_rope_BNR.astype(jnp.float32),
               c_BSC, _scale_operand(c_scale_BS), r_BSR,
               _scale_operand(r_scale_BS), mask_BS.astype(jnp.bool_),
-              scale=np.float32(scale))
+              scale=np.float32(scale),
+              latent_products=np.int64(LATENT_PRODUCTS[latent_products]))

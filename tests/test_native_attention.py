@@ -11,6 +11,7 @@ before any compute. The 'native' layout gives `generate` the stacked
 path's tokens and logits, and 'auto' picks it wherever it can run.
 """
 
+import functools
 import os
 import subprocess
 import sys
@@ -107,6 +108,13 @@ def reference(q, k64, v64, mask_BS, scale, form="float32"):
   return np.einsum("bkgs,bkse->bkge", p, v64)
 
 
+def amx_runs(c, C, R) -> bool:
+  """Whether the kernel runs latents like `c` (C, R channels) on AMX
+  tiles here."""
+  return (native_attention.latent_amx() and
+          native_attention.amx_fits(jnp.asarray(c).dtype, C, R))
+
+
 def portable_build(calls: dict[str, str], **operands) -> dict[str, np.ndarray]:
   """Each of `calls` (name: an expression over `na`, `jnp` and the arrays
   `o[name]`) evaluated in one subprocess whose kernel is built without
@@ -122,7 +130,8 @@ def portable_build(calls: dict[str, str], **operands) -> dict[str, np.ndarray]:
       out = os.path.join(tmp, name + ".npy")
       code += f"np.save({out!r}, np.asarray({call}))\n"
     env = dict(os.environ, JAX_PLATFORMS="cpu", KVJAX_NATIVE_FLAGS=(
-        "-mno-avx512vnni -mno-avxvnni -mno-avx512bf16"))
+        "-mno-avx512vnni -mno-avxvnni -mno-avx512bf16 -mno-amx-tile "
+        "-mno-amx-bf16 -mno-amx-int8"))
     root = os.path.join(os.path.dirname(__file__), "..")
     run = subprocess.run([sys.executable, "-c", code], cwd=root, env=env,
                          capture_output=True, text=True, check=False)
@@ -225,10 +234,11 @@ class KernelTest(parameterized.TestCase):
 
   @pytest.mark.slow  # builds the kernel a second time (~30 s)
   def test_portable_paths_give_the_same_bits(self):
-    # Built without VNNI and AVX-512 BF16 (the portable paths: the groups'
+    # Built without VNNI, AVX-512 BF16 and AMX (the portable paths: the groups'
     # codes or bits unpacked, float multiply-adds of the same exact
     # products in the same order) the kernel gives the same bits for int8
-    # and int4 keys, bfloat16 keys and values, and MLA's int8 latents. E = 40: value
+    # and int4 keys, bfloat16 keys and values, and MLA's int8 latents
+    # (AMX's tiles included, where the host has them). E = 40: value
     # channels past the last 16; C = 72, R = 12: a full and a partial
     # 64-channel chunk, T = 301: slots off the 16 / G slot groups.
     B, K, G, D, E, S = 2, 2, 8, 32, 40, 304
@@ -261,6 +271,22 @@ class KernelTest(parameterized.TestCase):
         "o['rs'])")
     here["latent"] = native_attention.latent_attend(
         q_lat, q_rope, c, r, jnp.asarray(lmask), 0.2, cs, rs)
+    # C = 128, R = 16 fit AMX's tiles: where the host has them ('auto'
+    # takes them here), int8 logits as tile products give the portable
+    # path's bits too.
+    q_lat2 = rng.standard_normal((B, N, 128)).astype(np.float32)
+    (c2, cs2) = quant.quantize(
+        jnp.asarray(rng.standard_normal((B, T, 128)), jnp.float32), jnp.int8)
+    r2, rs2 = quant.quantize(
+        jnp.asarray(rng.standard_normal((B, T, 16)), jnp.float32), jnp.int8)
+    q_rope2 = rng.standard_normal((B, N, 16)).astype(np.float32)
+    ops.update(ql2=q_lat2, qr2=q_rope2, c2=c2, r2=r2, cs2=cs2, rs2=rs2)
+    calls["latent_tiles"] = (
+        "na.latent_attend(o['ql2'], o['qr2'], jnp.asarray(o['c2']), "
+        "jnp.asarray(o['r2']), jnp.asarray(o['lmask']), 0.2, o['cs2'], "
+        "o['rs2'])")
+    here["latent_tiles"] = native_attention.latent_attend(
+        q_lat2, q_rope2, c2, r2, jnp.asarray(lmask), 0.2, cs2, rs2)
     portable = portable_build(calls, **ops)
     for name, out in here.items():
       np.testing.assert_array_equal(portable[name], np.asarray(out),
@@ -400,19 +426,54 @@ class LatentKernelTest(parameterized.TestCase):
     mask[0, 0] = True
     mask[1] = False  # a fully masked row
     scale = 0.1
-    out = native_attention.latent_attend(q_lat, q_rope, jnp.asarray(c),
-                                         jnp.asarray(r), jnp.asarray(mask),
-                                         scale, **scales)
-    if form == "int8":  # each query part rounded as its codes are
-      q64 = np.concatenate([rounded_query(q_lat, scale),
-                            rounded_query(q_rope, scale)], -1)[:, None]
-      want_scale = 1.0
-    else:
-      q64 = np.concatenate([q_lat, q_rope], -1).astype(np.float64)[:, None]
-      want_scale = scale
+    outs = {}
+    for products in native_attention.LATENT_PRODUCTS:
+      call = functools.partial(
+          native_attention.latent_attend, q_lat, q_rope, jnp.asarray(c),
+          jnp.asarray(r), jnp.asarray(mask), scale,
+          latent_products=products, **scales)
+      if products == "amx" and not amx_runs(c, C, R):
+        with self.assertRaisesRegex(ValueError, "latent_products='amx'"):
+          call()
+        continue
+      outs[products] = np.asarray(call())
     k64 = np.concatenate([c64, r64], -1)[:, None]
-    want = reference(q64, k64, c64[:, None], mask, want_scale)[:, 0]
-    np.testing.assert_allclose(np.asarray(out), want, rtol=2e-5, atol=2e-5)
+    for products, out in outs.items():
+      if form == "int8":  # each query part rounded as its codes are
+        q64 = np.concatenate([rounded_query(q_lat, scale),
+                              rounded_query(q_rope, scale)], -1)[:, None]
+        want_scale = 1.0
+      elif form == "bfloat16" and (products == "amx" or (
+          products == "auto" and amx_runs(c, C, R))):
+        # AMX's bfloat16 products: the scaled query rounded to bfloat16
+        q64 = np.concatenate([bf16_query(q_lat, scale),
+                              bf16_query(q_rope, scale)], -1)[:, None]
+        want_scale = 1.0
+      else:
+        q64 = np.concatenate([q_lat, q_rope], -1).astype(np.float64)[:, None]
+        want_scale = scale
+      want = reference(q64, k64, c64[:, None], mask, want_scale)[:, 0]
+      np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5,
+                                 err_msg=products)
+    if "amx" in outs:
+      # int8 logits are exact integer sums on either path: the same bits.
+      np.testing.assert_array_equal(outs["auto"], outs["amx"])
+      if form == "int8":
+        np.testing.assert_array_equal(outs["amx"], outs["vector"])
+    else:
+      np.testing.assert_array_equal(outs["auto"], outs["vector"])
+
+  def test_amx_fits_bfloat16_and_int8_in_whole_tile_rows(self):
+    fits = native_attention.amx_fits
+    self.assertTrue(fits(quant.BF16_BITS, 128, 16))
+    self.assertTrue(fits(quant.BF16_BITS, 32, 32))
+    self.assertTrue(fits(jnp.int8, 64, 64))
+    self.assertTrue(fits(jnp.int8, 256, 0))
+    self.assertFalse(fits(jnp.float32, 128, 16))  # no float32 tiles
+    self.assertFalse(fits(quant.BF16_BITS, 40, 16))  # 80 bytes a row
+    self.assertFalse(fits(quant.BF16_BITS, 64, 34))  # 68 rotary bytes
+    self.assertFalse(fits(jnp.int8, 64, 6))  # not whole words
+    self.assertFalse(fits(jnp.int8, 32, 16))
 
   def test_bad_operands_are_refused_before_compute(self):
     q, c = jnp.zeros((2, 4, 32)), jnp.zeros((2, 64, 32))
@@ -435,6 +496,12 @@ class LatentKernelTest(parameterized.TestCase):
                                      jnp.ones((2, 64)), jnp.ones((2, 10)))
     with self.assertRaisesRegex(ValueError, "want"):
       native_attention.latent_attend(q, qr, c, r[:, :10], mask, 1.0)
+    with self.assertRaisesRegex(ValueError, "latent_products='tiles'"):
+      native_attention.latent_attend(q, qr, c, r, mask, 1.0,
+                                     latent_products="tiles")
+    with self.assertRaisesRegex(ValueError, "latent_products='amx'"):
+      native_attention.latent_attend(q, qr, c, r, mask, 1.0,  # float32
+                                     latent_products="amx")
 
 
 class NativeViewTest(parameterized.TestCase):
@@ -457,11 +524,13 @@ class NativeViewTest(parameterized.TestCase):
       [dict(variant="mla", kv=k) for k in native_latent.NATIVE_LATENT_DTYPES],
       slow=lambda variant, kv: variant not in cases.FAST_VARIANTS)
   def test_generate_equals_the_stacked_path(self, variant, kv):
-    if kv in ("int8", "int4") or (kv == "bfloat16" and variant != "mla"):
+    if kv in ("int8", "int4") or (kv == "bfloat16" and (
+        variant != "mla" or native_attention.latent_amx())):
       # Over int8 codes the kernel rounds the query as the keys are, over
-      # bfloat16 (GQA's) the query and the probabilities to bfloat16, so a
-      # random model's greedy tokens can flip at a near-tie: the tokens are
-      # given, and the logits agree within the storage's tolerance.
+      # bfloat16 (GQA's, and MLA's on AMX tiles) the query (and GQA's
+      # probabilities) to bfloat16, so a random model's greedy tokens can
+      # flip at a near-tie: the tokens are given, and the logits agree
+      # within the storage's tolerance.
       out = teacher_forced_layouts(variant, kv, 2, ("stacked", "native"))
       assert_close(out["native"][1], out["stacked"][1], tiny(variant),
                    cache=kv)

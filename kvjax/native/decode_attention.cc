@@ -64,6 +64,10 @@
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "xla/ffi/api/ffi.h"
 
@@ -348,6 +352,16 @@ struct RoundedRows {
     }
   }
 };
+
+// An int8 latent slot's logit from its exact integer sums dc (latent) and
+// dr (rotary): cs · (sa · dc) + rs · (sb · dr), the slot's scales cs, rs
+// and the query's sa, sb, with one explicit fma so that every path (VNNI,
+// AMX, portable; scalar or in lanes) rounds it alike, whatever the
+// compiler would contract.
+inline float int8_logit(float cs, float sa, float dc, float rs, float sb,
+                        float dr) {
+  return std::fma(cs, sa * dc, rs * (sb * dr));
+}
 
 // MLA's rounded query tile over int8 latents (rows g0.. of `RoundedRows`
 // for the latent part, width A, and the rotary part, width R).
@@ -1074,8 +1088,9 @@ inline void block_logits_rows_each(const float* __restrict__ qa, int64_t A,
     for (int g = 0; g < GN; ++g) {
       const float dc = hsum(acc[g]) + tail[g], dr = hsum(accr[g]) + tailr[g];
       const float dot =
-          cs != nullptr ? cs[b0 + j] * (sa[g] * dc) + rs[b0 + j] * (sb[g] * dr)
-                        : dc + dr;
+          cs != nullptr
+              ? int8_logit(cs[b0 + j], sa[g], dc, rs[b0 + j], sb[g], dr)
+              : dc + dr;
       const float x = mask[b0 + j] ? dot : kLowest;
       lg[g * kBlock + j] = x;
       bm[g] = std::max(bm[g], x);
@@ -1130,8 +1145,8 @@ inline void block_logits_rows(const float* __restrict__ qa, int64_t A,
         for (int g = 0; g < GN; ++g) {
           const int k = p * GN + g;
           const int64_t s = b0 + j + p;
-          const float x = mask[s] ? cs[s] * (lq.sa[g] * rc[k]) +
-                                        rs[s] * (lq.sb[g] * rr[k])
+          const float x = mask[s] ? int8_logit(cs[s], lq.sa[g], rc[k],
+                                               rs[s], lq.sb[g], rr[k])
                                   : kLowest;
           lg[g * kBlock + j + p] = x;
           bm[g] = std::max(bm[g], x);
@@ -1272,6 +1287,49 @@ inline void block_values_nibbles(const float* __restrict__ p,
               p[g * kBlock + j] * load1_nibble(vb[j * E2 + i0], half == 1);
 }
 
+// One block's step of the online softmax for GN query rows: lg[g][0, n)
+// holds the block's logits (scaled, masked) and bm[g] their maximum. The
+// running maximum m, sum l and output sums acc [GN, E] move to the new
+// maximum, and lg becomes the weights exp(x - m), each times its slot's
+// value scale vs[j] where given (int8: the scale goes into the weight, not
+// into the sum).
+template <int GN>
+inline void softmax_block(float* __restrict__ lg, const float* bm, int64_t n,
+                          const float* __restrict__ vs, int64_t E,
+                          float* __restrict__ m, float* __restrict__ l,
+                          float* __restrict__ acc) {
+  for (int g = 0; g < GN; ++g) {
+    float* row = lg + g * kBlock;
+    const float m_new = std::max(m[g], bm[g]);
+    const float corr = std::exp(m[g] - m_new);
+    if (corr != 1.0f) {
+      l[g] *= corr;
+      for (int64_t e = 0; e < E; ++e) acc[g * E + e] *= corr;
+    }
+    // The weights, 16 slots at a time, their sum kept in lanes and
+    // reduced once per row and block (`hsum`).
+    f16v sums = {};
+    float tail = 0.0f;
+    int64_t j0 = 0;
+    for (; j0 + kLanes <= n; j0 += kLanes) {
+      alignas(64) float w[kLanes];
+#pragma omp simd
+      for (int64_t t = 0; t < kLanes; ++t)
+        w[t] = exp_nonpositive(row[j0 + t] - m_new);
+      const f16v p = load16(w);
+      sums += p;
+      store16(row + j0, vs != nullptr ? p * load16(vs + j0) : p);
+    }
+    for (; j0 < n; ++j0) {  // MLA's slots past the last 16
+      const float p = exp_nonpositive(row[j0] - m_new);
+      tail += p;
+      row[j0] = vs != nullptr ? p * vs[j0] : p;
+    }
+    l[g] += hsum(sums) + tail;
+    m[g] = m_new;
+  }
+}
+
 // One tile of GN query rows over slots [s0, s1): the online softmax.
 // logits(b0, n, lg) fills lg[g][j] for the block's n slots from b0.
 template <int GN, typename T, bool value_ahead, bool pair_values,
@@ -1285,38 +1343,8 @@ void attend_tile(const Logits& logits, const T* __restrict__ v,
   for (int64_t b0 = s0; b0 < s1; b0 += kBlock) {
     const int64_t n = std::min(kBlock, s1 - b0);
     logits(b0, n, lg, bm);  // scaled, masked, and each row's maximum
-    for (int g = 0; g < GN; ++g) {
-      float* row = lg + g * kBlock;
-      const float m_new = std::max(m[g], bm[g]);
-      const float corr = std::exp(m[g] - m_new);
-      if (corr != 1.0f) {
-        l[g] *= corr;
-        for (int64_t e = 0; e < E; ++e) acc[g * E + e] *= corr;
-      }
-      // The weights, 16 slots at a time, their sum kept in lanes and
-      // reduced once per row and block (`hsum`); each token's value scale
-      // (int8) goes into its weight, not into the sum.
-      const float* vs = v_scale != nullptr ? v_scale + b0 : nullptr;
-      f16v sums = {};
-      float tail = 0.0f;
-      int64_t j0 = 0;
-      for (; j0 + kLanes <= n; j0 += kLanes) {
-        alignas(64) float w[kLanes];
-#pragma omp simd
-        for (int64_t t = 0; t < kLanes; ++t)
-          w[t] = exp_nonpositive(row[j0 + t] - m_new);
-        const f16v p = load16(w);
-        sums += p;
-        store16(row + j0, vs != nullptr ? p * load16(vs + j0) : p);
-      }
-      for (; j0 < n; ++j0) {  // MLA's slots past the last 16
-        const float p = exp_nonpositive(row[j0] - m_new);
-        tail += p;
-        row[j0] = vs != nullptr ? p * vs[j0] : p;
-      }
-      l[g] += hsum(sums) + tail;
-      m[g] = m_new;
-    }
+    softmax_block<GN>(lg, bm, n, v_scale != nullptr ? v_scale + b0 : nullptr,
+                      E, m, l, acc);
     if constexpr (pair_values) {
       block_values_pairs<GN>(lg, v, E, b0, n, acc, dot);
     } else if constexpr (std::is_same_v<T, uint8_t>) {
@@ -1350,6 +1378,267 @@ void gqa_tile(const float* qg, const QuadQuery& quads, const uint32_t* qw,
       },
       v, v_scale, E, s0, s1, m, l, acc, dot);
 }
+
+// How MLA's latent products run (`latent_attend`'s `latent_products`):
+// 'auto' takes AMX tiles wherever the build, the OS and the shapes allow
+// them (`amx_latents`), else the vector path; 'amx' is refused where they
+// cannot run; 'vector' is the AVX-512 (or portable) path of
+// `latent_tile`.
+enum LatentForm : int64_t {
+  kLatentAuto = 0,
+  kLatentAmx = 1,
+  kLatentVector = 2
+};
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && \
+    defined(__AMX_INT8__) && defined(__linux__)
+#define KVJAX_AMX 1
+#else
+#define KVJAX_AMX 0
+#endif
+
+// Whether this process may use AMX's tiles: Linux grants their state only
+// to a process that asks (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA),
+// once; false in a build without AMX.
+bool amx_usable() {
+#if KVJAX_AMX
+  static const bool ok =
+      syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+              18 /* XFEATURE_XTILEDATA */) == 0;
+  return ok;
+#else
+  return false;
+#endif
+}
+
+// Whether latents of `elem`-byte elements (bfloat16 bits: 2, int8 codes:
+// 1) with A latent and R rotary channels fit the AMX tiles: each latent row
+// in whole 64-byte tile rows, the rotary row in whole 4-byte words, at
+// most one tile row.
+inline bool amx_shapes(int64_t elem, int64_t A, int64_t R) {
+  return elem != 4 && A > 0 && (A * elem) % 64 == 0 && (R * elem) % 4 == 0 &&
+         R * elem <= 64;
+}
+
+// Whether MLA's latents of type T run on AMX tiles under `form`.
+template <typename T>
+bool amx_latents(int64_t form, int64_t A, int64_t R) {
+  constexpr bool typed =
+      std::is_same_v<T, uint16_t> || std::is_same_v<T, int8_t>;
+  return typed && form != kLatentVector && amx_usable() &&
+         amx_shapes(sizeof(T), A, R);
+}
+
+#if KVJAX_AMX
+// AMX's tile configuration (palette 1): rows and bytes per row of each of
+// the eight tiles. `latent_tile_amx`'s tiles:
+//   0  latent logits, [16 slots, GN] float32 (int8: int32)
+//   1  rotary logits of int8 codes (their own scales), [16, GN] int32
+//   2  latent rows as A [16 slots, 64 B]
+//   3  the query's latent words as B, [16, GN words]
+//   4  rotary rows as A [16 slots, R elements]
+//   5  the query's rotary words as B
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+
+  void set(int tile, int64_t r, int64_t bytes) {
+    rows[tile] = static_cast<uint8_t>(r);
+    colsb[tile] = static_cast<uint16_t>(bytes);
+  }
+};
+
+// Query rows [G, W] as AMX's B operand for the rows g0 .. g0 + GN:
+// words of 2 bfloat16s (x float: rounded as `bf16_bits`) or 4 int8 codes,
+// [W / per, GN] (word w of row g at w · GN + g).
+inline std::vector<uint32_t> query_words(const float* x, int64_t GN,
+                                         int64_t W) {
+  std::vector<uint32_t> out(W / 2 * GN);
+  for (int64_t g = 0; g < GN; ++g)
+    for (int64_t w = 0; w < W / 2; ++w)
+      out[w * GN + g] =
+          bf16_bits(x[g * W + 2 * w]) | bf16_bits(x[g * W + 2 * w + 1]) << 16;
+  return out;
+}
+inline std::vector<uint32_t> query_words(const int8_t* x, int64_t GN,
+                                         int64_t W) {
+  std::vector<uint32_t> out(W / 4 * GN);
+  for (int64_t g = 0; g < GN; ++g)
+    for (int64_t w = 0; w < W / 4; ++w)
+      std::memcpy(&out[w * GN + g], x + g * W + 4 * w, 4);
+  return out;
+}
+
+// One query tile's AMX operands: the latent and rotary query words
+// (`query_words`), the int8 query's row scales, and scratch for a group of
+// slots past the range's end.
+template <typename T>
+struct AmxTile {
+  std::vector<uint32_t> qa, qb;
+  const float *sa = nullptr, *sb = nullptr;
+  std::vector<T> pad;           // [16, A + R]
+};
+
+// `block_logits_rows` on AMX tiles: each group of 16 slots' latent rows
+// (tile 2, 64 bytes of each row at a time) times the query words (tile 3)
+// into [16, GN] sums, the rotary part likewise; the sums go to lg[g][j]
+// with the mask (int8: exact integer sums times the query's and the
+// slots' scales, as the VNNI path's). The bfloat16 products take the
+// query rounded to bfloat16 (FlashAttention's numerics).
+template <int GN, typename T>
+void amx_block_logits(AmxTile<T>& t, const T* __restrict__ a, int64_t A,
+                      const T* __restrict__ b, int64_t R,
+                      const float* __restrict__ cs,
+                      const float* __restrict__ rs,
+                      const bool* __restrict__ mask, int64_t b0, int64_t n,
+                      float* __restrict__ lg, float* __restrict__ bm) {
+  constexpr bool codes = std::is_same_v<T, int8_t>;
+  constexpr int64_t chunk = 64 / sizeof(T);  // channels per tile row
+  constexpr int64_t per = 4 / sizeof(T);     // channels per word
+  alignas(64) float sums[16 * GN];
+  alignas(64) int32_t ia[16 * GN], ib[16 * GN];
+  f16v vmax[GN];
+  for (int g = 0; g < GN; ++g) {
+    bm[g] = kLowest;
+    vmax[g] = f16v{} + kLowest;
+  }
+  auto gathered = [](__m512 x) {
+    f16v r;
+    std::memcpy(&r, &x, sizeof(r));
+    return r;
+  };
+  auto as_m512 = [](f16v x) {
+    __m512 r;
+    std::memcpy(&r, &x, sizeof(r));
+    return r;
+  };
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int64_t rows = std::min<int64_t>(16, n - j0);
+    const T* ar = a + (b0 + j0) * A;
+    const T* br = b + (b0 + j0) * R;
+    // The rows two blocks ahead on their way (as `block_logits_rows`).
+    for (int p = 0; p < 16; ++p) {
+      const T* ahead = a + (b0 + j0 + p + kAheadSlots) * A;
+      for (int64_t e = 0; e < A; e += chunk) prefetch_l2(ahead + e);
+      prefetch_l2(b + (b0 + j0 + p + kAheadSlots) * R);
+    }
+    if (rows < 16) {  // the range's last slots: rows past them read zeros
+      T* pa = t.pad.data();
+      T* pb = pa + 16 * A;
+      std::fill(t.pad.begin(), t.pad.end(), T{});
+      std::memcpy(pa, ar, rows * A * sizeof(T));
+      std::memcpy(pb, br, rows * R * sizeof(T));
+      ar = pa;
+      br = pb;
+    }
+    _tile_zero(0);
+    if constexpr (codes) _tile_zero(1);
+    for (int64_t c = 0; c < A; c += chunk) {
+      _tile_loadd(2, ar + c, A * sizeof(T));
+      _tile_loadd(3, t.qa.data() + c / per * GN, GN * 4);
+      if constexpr (codes) {
+        _tile_dpbssd(0, 2, 3);
+      } else {
+        _tile_dpbf16ps(0, 2, 3);
+      }
+    }
+    if (R > 0) {
+      _tile_loadd(4, br, R * sizeof(T));
+      _tile_loadd(5, t.qb.data(), GN * 4);
+      if constexpr (codes) {
+        _tile_dpbssd(1, 4, 5);
+      } else {
+        _tile_dpbf16ps(0, 4, 5);
+      }
+    }
+    if constexpr (codes) {
+      _tile_stored(0, ia, GN * 4);
+      _tile_stored(1, ib, GN * 4);
+    } else {
+      _tile_stored(0, sums, GN * 4);
+    }
+    if (rows == 16) {
+      // Row g's 16 sums are every GN-th of the tile's [16, GN]: gathered
+      // into lanes, finished 16 slots at a time (`finish16`).
+      const __m512i at = _mm512_mullo_epi32(
+          _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14,
+                            15),
+          _mm512_set1_epi32(GN));
+      const int64_t s = b0 + j0;
+      for (int g = 0; g < GN; ++g) {
+        const __m512i idx = _mm512_add_epi32(at, _mm512_set1_epi32(g));
+        f16v x;
+        if constexpr (codes) {
+          const f16v dc = gathered(_mm512_cvtepi32_ps(
+              _mm512_i32gather_epi32(idx, ia, 4)));
+          const f16v dr = gathered(_mm512_cvtepi32_ps(
+              _mm512_i32gather_epi32(idx, ib, 4)));
+          // `int8_logit` in lanes: the same multiplies and one fma.
+          const __m512 u = as_m512(t.sa[g] * dc), v = as_m512(t.sb[g] * dr);
+          x = gathered(_mm512_fmadd_ps(_mm512_loadu_ps(cs + s), u,
+                                       _mm512_mul_ps(_mm512_loadu_ps(rs + s),
+                                                     v)));
+        } else {
+          x = gathered(_mm512_i32gather_ps(idx, sums, 4));
+        }
+        store16(lg + g * kBlock + j0, finish16(x, nullptr, mask + s, vmax[g]));
+      }
+      continue;
+    }
+    for (int64_t p = 0; p < rows; ++p) {  // the range's last slots
+      const int64_t s = b0 + j0 + p;
+      for (int g = 0; g < GN; ++g) {
+        float x;
+        if constexpr (codes) {
+          const float dc = static_cast<float>(ia[p * GN + g]);
+          const float dr = static_cast<float>(ib[p * GN + g]);
+          x = int8_logit(cs[s], t.sa[g], dc, rs[s], t.sb[g], dr);
+        } else {
+          x = sums[p * GN + g];
+        }
+        x = mask[s] ? x : kLowest;
+        lg[g * kBlock + j0 + p] = x;
+        bm[g] = std::max(bm[g], x);
+      }
+    }
+  }
+  for (int g = 0; g < GN; ++g) bm[g] = std::max(bm[g], hmax(vmax[g]));
+}
+
+// `latent_tile` with its logits on AMX tiles (`amx_latents`): the same
+// online softmax and the same values' sums. (The values' sums as tile
+// products too, the weights rounded to bfloat16 against slot pairs built
+// per block, measured slower than the vector path's multiply-adds: 3.9
+// against 3.2 ms for bfloat16 latents at B 8, N 8, C 128, R 16, 16,384
+// slots on the Intel Xeon, the pairs' building alone 1.4 ms.)
+template <int GN, typename T>
+void latent_tile_amx(AmxTile<T>& t, const T* a, const T* b, const float* cs,
+                     const float* rs, const bool* mask, int64_t A, int64_t R,
+                     int64_t s0, int64_t s1, float* m, float* l,
+                     float* acc) {
+  constexpr int64_t elem = sizeof(T);
+  TileConfig cfg;
+  cfg.set(0, 16, GN * 4);
+  cfg.set(1, 16, GN * 4);
+  cfg.set(2, 16, 64);
+  cfg.set(3, 16, GN * 4);
+  cfg.set(4, 16, R > 0 ? R * elem : 4);
+  cfg.set(5, R > 0 ? R * elem / 4 : 1, GN * 4);
+  _tile_loadconfig(&cfg);
+  alignas(64) float lg[GN * kBlock];
+  float bm[GN];
+  for (int64_t b0 = s0; b0 < s1; b0 += kBlock) {
+    const int64_t n = std::min(kBlock, s1 - b0);
+    amx_block_logits<GN, T>(t, a, A, b, R, cs, rs, mask, b0, n, lg, bm);
+    softmax_block<GN>(lg, bm, n, cs != nullptr ? cs + b0 : nullptr, A, m, l,
+                      acc);
+    block_values<GN, T, false>(lg, a, A, b0, n, acc);
+  }
+  _tile_release();
+}
+#endif  // KVJAX_AMX
 
 template <int GN, typename T>
 void latent_tile(const float* qa, const float* qb, const LatentQuery& lq,
@@ -1385,7 +1674,8 @@ void by_rows(int64_t gn, const F& f) {
 
 // The G query rows of one (sequence, kv head) over slots [s0, s1), in tiles
 // of kRows rows. GQA: keys [D, S] transposed, values [S, E]; MLA (qb set):
-// latents a [S, A] as keys and values, rotary keys b [S, R].
+// latents a [S, A] as keys and values, rotary keys b [S, R]. `bf16_form`:
+// GQA's `Bf16Form`, or MLA's `LatentForm`.
 template <typename T>
 void attend_range(const float* q, const float* qb, const T* k,
                   const float* k_scale, const T* v, const float* v_scale,
@@ -1412,6 +1702,31 @@ void attend_range(const float* q, const float* qb, const T* k,
   // bfloat16 keys (GQA's pair tiles): the scaled query rounded to bfloat16.
   const bool pairs = std::is_same_v<T, uint16_t> && qb == nullptr;
   const PairRows rp = pairs ? PairRows(qs.data(), G, D) : PairRows();
+#if KVJAX_AMX
+  // MLA's latents on AMX tiles (`form`: a `LatentForm` for MLA): each
+  // query tile's words built once for the range.
+  constexpr bool amx_typed =
+      std::is_same_v<T, uint16_t> || std::is_same_v<T, int8_t>;
+  const bool amx = qb != nullptr && amx_latents<T>(bf16_form, D, R);
+  std::vector<AmxTile<T>> amx_tiles;
+  if constexpr (amx_typed) {
+    for (int64_t g0 = 0; amx && g0 < G; g0 += kRows) {
+      const int64_t gn = std::min<int64_t>(kRows, G - g0);
+      AmxTile<T> t;
+      if constexpr (std::is_same_v<T, int8_t>) {
+        t.qa = query_words(ra.codes.data() + g0 * D, gn, D);
+        t.qb = query_words(rb.codes.data() + g0 * R, gn, R);
+        t.sa = ra.scale.data() + g0;
+        t.sb = rb.scale.data() + g0;
+      } else {
+        t.qa = query_words(qs.data() + g0 * D, gn, D);
+        t.qb = query_words(qbs.data() + g0 * R, gn, R);
+      }
+      t.pad.resize(16 * (D + R));
+      amx_tiles.push_back(std::move(t));
+    }
+  }
+#endif
   // Blocks outside, query tiles inside: a block's keys and values come
   // from memory once and stay in cache for the other tiles of its rows
   // (MQA's and MLA's G = 8 rows are two tiles).
@@ -1430,6 +1745,15 @@ void attend_range(const float* q, const float* qb, const T* k,
           gqa_tile<GN, T>(nullptr, tile, nullptr, nullptr, k, k_scale, v,
                           v_scale, mask, D, E, S, b0, b1, m, l, acc, false);
         } else if (qb != nullptr) {
+#if KVJAX_AMX
+          if constexpr (amx_typed) {
+            if (amx) {
+              latent_tile_amx<GN, T>(amx_tiles[g0 / kRows], k, v, k_scale,
+                                     v_scale, mask, D, R, b0, b1, m, l, acc);
+              return;
+            }
+          }
+#endif
           const LatentQuery lq =
               codes ? LatentQuery{ra.codes.data() + g0 * D,
                                   rb.codes.data() + g0 * R,
@@ -1636,8 +1960,10 @@ static ffi::Error LatentAttentionImpl(
     ffi::Buffer<ffi::F32> q_rope, ffi::AnyBuffer c,
     ffi::Buffer<ffi::F32> c_scale, ffi::AnyBuffer r,
     ffi::Buffer<ffi::F32> r_scale, ffi::Buffer<ffi::PRED> mask,
-    ffi::ResultBuffer<ffi::F32> out, float scale) {
+    ffi::ResultBuffer<ffi::F32> out, float scale, int64_t latent_products) {
   const auto qd = q_lat.dimensions(), rd = q_rope.dimensions();
+  if (latent_products < kLatentAuto || latent_products > kLatentVector)
+    return ffi::Error::InvalidArgument("latent_products: 0, 1 or 2");
   const auto cd = c.dimensions(), kd = r.dimensions();
   if (qd.size() != 3 || rd.size() != 3 || cd.size() != 3 || kd.size() != 3)
     return ffi::Error::InvalidArgument("latent operands must be rank 3");
@@ -1661,11 +1987,16 @@ static ffi::Error LatentAttentionImpl(
   const float* rs = scales ? r_scale.typed_data() : nullptr;
   auto go = [&](auto tag) {
     using T = decltype(tag);
+    if (latent_products == kLatentAmx && !amx_latents<T>(kLatentAmx, C, R))
+      return ffi::Error::InvalidArgument(
+          "latent_products=amx: no AMX tiles here, or latents that do not "
+          "fit them (bfloat16 / int8, C·bytes a multiple of 64, R·bytes of "
+          "whole words up to 64)");
     attend_all<T>(pool, q_lat.typed_data(), q_rope.typed_data(),
                   static_cast<const T*>(c.untyped_data()), cs,
                   static_cast<const T*>(r.untyped_data()), rs,
                   mask.typed_data(), out->typed_data(), B, 1, N, C, R, C, S,
-                  scale);
+                  scale, latent_products);
     return ffi::Error::Success();
   };
   switch (c.element_type()) {
@@ -1692,7 +2023,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxLatentAttention, LatentAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()   // r_scale
                                   .Arg<ffi::Buffer<ffi::PRED>>()  // mask
                                   .Ret<ffi::Buffer<ffi::F32>>()   // out
-                                  .Attr<float>("scale"));
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("latent_products"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxDecodeAttention, DecodeAttentionImpl,
                               ffi::Ffi::Bind()
@@ -1728,3 +2060,8 @@ extern "C" void KvjaxBf16ProductTimes(double* out) {
   out[0] = out[1] = 0.0;
 #endif
 }
+
+// Whether MLA's bfloat16 and int8 latents of fitting shapes run on AMX
+// tiles under 'auto' (`LatentForm`): 1 where the build has AMX and the OS
+// grants its tile state to this process.
+extern "C" int KvjaxLatentAmx() { return amx_usable(); }
