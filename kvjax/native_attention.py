@@ -5,7 +5,8 @@ JAX primitives: XLA FFI custom calls, built on first use.
                            k_scale_BKS=None, v_scale_BKS=None,
                            bf16_products='auto')
   o_lat_BNC = latent_attend(q_lat_BNC, q_rope_BNR, c_BSC, r_BSR, mask_BS,
-                            scale, c_scale_BS=None, r_scale_BS=None)
+                            scale, c_scale_BS=None, r_scale_BS=None,
+                            latent_products='auto')
                                         MLA's absorbed decode (`kvjax.mla`);
                                         latents float32, bfloat16 bits or
                                         int8 codes with per-token scales
@@ -42,7 +43,11 @@ FlashAttention's numerics; the products run as AVX-512 BF16's vdpbf16ps
 or as float32 multiply-adds of the same exact products in the same order
 (the same bits), whichever the host runs faster for the query group
 (`bf16_dot_products`: measured once per process; without AVX-512 BF16,
-multiply-adds).
+multiply-adds). MLA's absorbed step does N · (2C + R) products per cached
+token, so on hosts with AMX (`latent_amx`) its bfloat16 and int8 latents'
+logits run as AMX tile products (`latent_products`): int8's are the same
+exact integer sums (the same bits as the VNNI and portable paths), and
+bfloat16's take the scaled query rounded to bfloat16, as GQA's do.
 
 Why a kernel (the numbers: WORKSPACE.md "Quantized caches, and the
 cache-dominated regime"): XLA:CPU runs a decode step's per-(sequence, head)

@@ -47,7 +47,9 @@
 // a time). Chunks of one (sequence, head) are combined at the end. MLA's
 // latents are rows (they are the values too), so its logits are dot
 // products over each slot's row, 16 / G slots at a time, their lane sums
-// taken together (`lane_sums16`).
+// taken together (`lane_sums16`); where the host has AMX (Intel Xeon from
+// Sapphire Rapids) its bfloat16 and int8 latents' logits are tile products
+// instead, 16 slots × up to 8 query rows a tile (`latent_tile_amx`).
 
 #include <algorithm>
 #include <atomic>
