@@ -13,8 +13,10 @@ values (the kernel's blocks keep a latent row in cache between the two),
 with the softmax online: no float32 copy of a bfloat16 cache and no
 [B, N, S] logits in memory. int8 and int4 codes are rows here (the
 layered view transposes them for its integer dots) and the kernel reads
-them as codes with float queries and probabilities (no int8 rounding of
-either, unlike `layered_latent.int8_absorbed`).
+them as codes: integer logits of the query rounded per row as the codes
+are, float probabilities (not rounded to 255 levels, unlike
+`layered_latent.int8_absorbed`). Where the host has AMX the bfloat16 and
+int8 latents' logits are tile products (`native_attention.latent_amx`).
 
 A decode cache kind (`attention.register_decode_cache`) and a decode view
 (`kvjax.decode`'s 'native' layout for MLA): the model reads it through the
