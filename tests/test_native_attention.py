@@ -257,36 +257,28 @@ class KernelTest(parameterized.TestCase):
           + (f", o['ks_{form}'], o['vs_{form}'])" if scales else ")"))
       here[form] = native_attention.decode_attend(
           q, k, v, jnp.asarray(mask), 0.25, *scales)
-    N, C, R, T = 6, 72, 12, 301
-    q_lat, q_rope = (rng.standard_normal((B, N, W)).astype(np.float32)
-                     for W in (C, R))
-    (c, cs), (r, rs) = (
-        quant.quantize(jnp.asarray(rng.standard_normal((B, T, W)),
-                                   jnp.float32), jnp.int8) for W in (C, R))
-    lmask = rng.random((B, T)) < 0.8
-    ops.update(ql=q_lat, qr=q_rope, c=c, r=r, cs=cs, rs=rs, lmask=lmask)
-    calls["latent"] = (
-        "na.latent_attend(o['ql'], o['qr'], jnp.asarray(o['c']), "
-        "jnp.asarray(o['r']), jnp.asarray(o['lmask']), 0.2, o['cs'], "
-        "o['rs'])")
-    here["latent"] = native_attention.latent_attend(
-        q_lat, q_rope, c, r, jnp.asarray(lmask), 0.2, cs, rs)
-    # C = 128, R = 16 fit AMX's tiles: where the host has them ('auto'
-    # takes them here), int8 logits as tile products give the portable
+    # MLA's int8 latents at two shapes: C = 72, R = 12 (off AMX's tiles),
+    # and C = 128, R = 16, which fit them: where the host has AMX ('auto'
+    # takes it there), int8 logits as tile products give the portable
     # path's bits too.
-    q_lat2 = rng.standard_normal((B, N, 128)).astype(np.float32)
-    (c2, cs2) = quant.quantize(
-        jnp.asarray(rng.standard_normal((B, T, 128)), jnp.float32), jnp.int8)
-    r2, rs2 = quant.quantize(
-        jnp.asarray(rng.standard_normal((B, T, 16)), jnp.float32), jnp.int8)
-    q_rope2 = rng.standard_normal((B, N, 16)).astype(np.float32)
-    ops.update(ql2=q_lat2, qr2=q_rope2, c2=c2, r2=r2, cs2=cs2, rs2=rs2)
-    calls["latent_tiles"] = (
-        "na.latent_attend(o['ql2'], o['qr2'], jnp.asarray(o['c2']), "
-        "jnp.asarray(o['r2']), jnp.asarray(o['lmask']), 0.2, o['cs2'], "
-        "o['rs2'])")
-    here["latent_tiles"] = native_attention.latent_attend(
-        q_lat2, q_rope2, c2, r2, jnp.asarray(lmask), 0.2, cs2, rs2)
+    N, T = 6, 301
+    lmask = rng.random((B, T)) < 0.8
+    ops.update(lmask=lmask)
+    for name, C, R in (("latent", 72, 12), ("latent_tiles", 128, 16)):
+      q_lat, q_rope = (rng.standard_normal((B, N, W)).astype(np.float32)
+                       for W in (C, R))
+      (c, cs), (r, rs) = (
+          quant.quantize(jnp.asarray(rng.standard_normal((B, T, W)),
+                                     jnp.float32), jnp.int8) for W in (C, R))
+      arrays = dict(ql=q_lat, qr=q_rope, c=c, r=r, cs=cs, rs=rs)
+      ops.update({f"{k}_{name}": v for k, v in arrays.items()})
+      o = {k: f"o['{k}_{name}']" for k in arrays}
+      calls[name] = (
+          f"na.latent_attend({o['ql']}, {o['qr']}, jnp.asarray({o['c']}), "
+          f"jnp.asarray({o['r']}), jnp.asarray(o['lmask']), 0.2, {o['cs']}, "
+          f"{o['rs']})")
+      here[name] = native_attention.latent_attend(
+          q_lat, q_rope, c, r, jnp.asarray(lmask), 0.2, cs, rs)
     portable = portable_build(calls, **ops)
     for name, out in here.items():
       np.testing.assert_array_equal(portable[name], np.asarray(out),
