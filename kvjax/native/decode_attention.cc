@@ -1393,7 +1393,7 @@ enum LatentForm : int64_t {
 };
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && \
-    defined(__AMX_INT8__) && defined(__linux__)
+    defined(__AMX_INT8__) && defined(__AVX512F__) && defined(__linux__)
 #define KVJAX_AMX 1
 #else
 #define KVJAX_AMX 0
@@ -1959,7 +1959,8 @@ static ffi::Error DecodeAttentionImpl(
 //   r_scale f32 [B, S]     per-token rotary-key scales (s8; else [0])
 //   out    f32 [B, N, C]   the latent output (before W_UV)
 // logits = scale · (q_lat · c + q_rope · r) with codes times their scales:
-// `mla.absorbed_decode` of the dequantized cache.
+// `mla.absorbed_decode` of the dequantized cache. attrs: scale (f32),
+// latent_products (`LatentForm`: 0 auto, 1 AMX tiles, 2 vector).
 static ffi::Error LatentAttentionImpl(
     ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q_lat,
     ffi::Buffer<ffi::F32> q_rope, ffi::AnyBuffer c,
