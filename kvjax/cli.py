@@ -487,6 +487,13 @@ def run(main: Callable[[list[str]], Any]) -> None:
       kept = ", ".join(JsonLines.opened)
       sys.stderr.write("interrupted" + (f"; measured so far: {kept}" if kept
                                         else "") + "\n")
-      sys.exit(130)
+      sys.stdout.flush()
+      sys.stderr.flush()
+      # Straight out, without the interpreter's teardown: XLA's threads
+      # may still be running the interrupted step, and tearing the runtime
+      # down beneath them has ended such a run in a segmentation fault
+      # (status -11, seen under load) after this line. Every JsonLines
+      # record is already flushed.
+      os._exit(130)  # pylint: disable=protected-access
 
   app.run(wrapped, flags_parser=_parse_flags)
