@@ -417,13 +417,12 @@ def latent_attend(q_lat_BNC, q_rope_BNR, c_BSC, r_BSR, mask_BS,
     scale: softmax scale.
     c_scale_BS, r_scale_BS: float32 per-token scales of int8 codes (and
       only of them): the latent is c · c_scale, the rotary key r · r_scale.
-    latent_products: how the products run: 'amx' (AMX tiles: the
-      bfloat16 products take the scaled query and the probabilities
-      rounded to bfloat16, FlashAttention's numerics; int8 logits are the
-      exact integer dots of the vector path, the weights rounded to
-      bfloat16 against the codes), 'vector' (float query and
-      probabilities; int8 logits by VNNI), or 'auto' (AMX where
-      `latent_amx` and `amx_fits`, else vector).
+    latent_products: how the logits' products run: 'amx' (AMX tiles:
+      over bfloat16 latents with the scaled query rounded to bfloat16;
+      over int8 codes the vector path's exact integer sums, so its bits),
+      'vector' (float query over bfloat16; int8 logits by VNNI), or 'auto'
+      (AMX where `latent_amx` and `amx_fits`, else vector). The values'
+      sums are the vector path's in every form, probabilities in float32.
   Returns:
     o_lat_BNC float32, the latent output (before W_UV).
   Raises:

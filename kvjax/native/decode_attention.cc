@@ -1516,6 +1516,10 @@ void amx_block_logits(AmxTile<T>& t, const T* __restrict__ a, int64_t A,
     std::memcpy(&r, &x, sizeof(r));
     return r;
   };
+  // Lane p of row g's sums sits at p · GN + g of the stored [16, GN] tile.
+  const __m512i at = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(GN));
   for (int64_t j0 = 0; j0 < n; j0 += 16) {
     const int64_t rows = std::min<int64_t>(16, n - j0);
     const T* ar = a + (b0 + j0) * A;
@@ -1560,13 +1564,11 @@ void amx_block_logits(AmxTile<T>& t, const T* __restrict__ a, int64_t A,
       _tile_stored(0, sums, GN * 4);
     }
     if (rows == 16) {
-      // Row g's 16 sums are every GN-th of the tile's [16, GN]: gathered
-      // into lanes, finished 16 slots at a time (`finish16`).
-      const __m512i at = _mm512_mullo_epi32(
-          _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14,
-                            15),
-          _mm512_set1_epi32(GN));
+      // Row g's 16 sums gathered into lanes (`at`), finished 16 slots at a
+      // time (`finish16`).
       const int64_t s = b0 + j0;
+      const __m512 cs16 = codes ? _mm512_loadu_ps(cs + s) : __m512{};
+      const __m512 rs16 = codes ? _mm512_loadu_ps(rs + s) : __m512{};
       for (int g = 0; g < GN; ++g) {
         const __m512i idx = _mm512_add_epi32(at, _mm512_set1_epi32(g));
         f16v x;
@@ -1577,9 +1579,7 @@ void amx_block_logits(AmxTile<T>& t, const T* __restrict__ a, int64_t A,
               _mm512_i32gather_epi32(idx, ib, 4)));
           // `int8_logit` in lanes: the same multiplies and one fma.
           const __m512 u = as_m512(t.sa[g] * dc), v = as_m512(t.sb[g] * dr);
-          x = gathered(_mm512_fmadd_ps(_mm512_loadu_ps(cs + s), u,
-                                       _mm512_mul_ps(_mm512_loadu_ps(rs + s),
-                                                     v)));
+          x = gathered(_mm512_fmadd_ps(cs16, u, _mm512_mul_ps(rs16, v)));
         } else {
           x = gathered(_mm512_i32gather_ps(idx, sums, 4));
         }
