@@ -47,6 +47,11 @@ whole row, else on the answers only; validation always scores answers):
            schedule did not (0.05, seed 0): WORKSPACE.md "Long-context
            tasks". With the newline (`mqar1_adjacent`) the second layer
            parks its attention on it and recall never forms
+  passkey_mqar
+           the passkey mixture (T 256, 16 rows) alternating by update with
+           flat MQAR (`alternate`: mqar1_flat, T 24-32, 128 rows: the same
+           4,096 tokens), fine-tuned from the passkey model at lr 1e-3,
+           4000 updates: one model for both retrieval and recall
   mix      passkey, RULER's families and MQAR at T = 512 (multi-value and
            multi-query prompts need > 256 bytes), prompt_loss
 
@@ -103,6 +108,13 @@ MIXTURES = {
     "flat": dict(names=("mqar1_flat",), weights=(1.0,), seq_len=32,
                  prompt_loss=False, min_seq_len=24, curriculum=(0, 0),
                  steps=4000, batch_size=128),
+    "passkey_mqar": dict(names=("passkey", "passkey_span"),
+                         weights=(1.0, 1.0), seq_len=256, prompt_loss=True,
+                         min_seq_len=64, curriculum=(0, 0), steps=4000,
+                         lr=1e-3, init_from="checkpoints/tasks-{variant}-passkey",
+                         alternate=dict(names=("mqar1_flat",), weights=(1.0,),
+                                        seq_len=32, batch_size=128,
+                                        prompt_loss=False, min_seq_len=24)),
     "mix": dict(names=("passkey", "niah_single", "niah_multikey",
                        "niah_multikey_needles", "niah_multivalue",
                        "niah_multiquery", "mqar"),
@@ -169,10 +181,15 @@ def get_config(arg: str = "gqa-passkey") -> ml_collections.ConfigDict:
   curriculum_steps, curriculum_len = mix.pop("curriculum")
   lr = mix.pop("lr", 3e-3)
   init_from = mix.pop("init_from", None)
+  alternate = mix.pop("alternate", None)
   cfg = ml_collections.ConfigDict()
   cfg.preset = f"{variant}-{mixture}"
   cfg.model = ml_collections.ConfigDict(model_dict(variant))
   cfg.tasks = ml_collections.ConfigDict(dict(mix, text_weight=0.0))
+  if alternate is not None:
+    # A second mixture whose batches alternate with these by update, with
+    # its own row shape (`kvjax.lab.tasks.train_task_model`'s parts).
+    cfg.alternate = ml_collections.ConfigDict(dict(alternate, text_weight=0.0))
   if mix["min_seq_len"] is None:  # a typed placeholder, so it can be set
     cfg.tasks.min_seq_len = ml_collections.config_dict.placeholder(int)
   # The first `steps` updates at seq_len `seq_len` (kvjax.lab.tasks.

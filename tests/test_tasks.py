@@ -4,6 +4,7 @@ training mixture, the task-model configs and the cache-policy driver
 
 import dataclasses
 import math
+import os
 import re
 
 from absl.testing import absltest
@@ -529,6 +530,35 @@ class MixtureTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "text stream"):
       tasks.mixture_batch(m, seed=0, step=0)
 
+  def test_alternating_mixtures_refused_before_compute(self):
+    from kvjax import train  # pylint: disable=g-import-not-at-top
+    config = kvjax.ModelConfig(vocab_size=data.VOCAB_SIZE, num_layers=1,
+                               embed_dim=32, num_heads=2, num_kv_heads=1,
+                               mlp_dim=64, max_seq_len=1024)
+    tc = train.TrainConfig(seq_len=128, batch_size=2, num_steps=2,
+                           warmup_steps=1)
+    first = tasks.Mixture(tasks=(("passkey", 1.0),), seq_len=128,
+                          batch_size=2)
+    flat = tasks.Mixture(tasks=(("mqar1_flat", 1.0),), seq_len=32,
+                         batch_size=8)
+    workdir = self.create_tempdir().full_path
+    for parts, kwargs, message in [
+        ([first, dataclasses.replace(flat, batch_size=4)], {},
+         "same tokens per batch.*'mqar1_flat'.*32\\*4 = 128"),
+        ([first, tasks.Mixture(tasks=(("passkey", 1.0), ("mqar", 1.0)),
+                                seq_len=256, batch_size=1)], {},
+         "different first tasks"),
+        ([first, flat], dict(short_steps=1, short_seq_len=64),
+         "curriculum"),
+        ([flat, first], {}, "differ from the mixture's"),
+        ([], {}, "non-empty sequence"),
+    ]:
+      with self.subTest(message=message):
+        with self.assertRaisesRegex(ValueError, message):
+          tasks.train_task_model(config, tc, parts, workdir, **kwargs)
+    # Refused before anything ran: nothing was written.
+    self.assertEqual(os.listdir(workdir), [])
+
   def test_bad_mixtures(self):
     with self.assertRaisesRegex(ValueError, "seq_len=200"):
       tasks.Mixture(tasks=(("niah_multiquery", 1.0),), seq_len=200)
@@ -554,6 +584,13 @@ class ConfigTest(parameterized.TestCase):
     batch = tasks.mixture_batch(dataclasses.replace(mixture, batch_size=2),
                                 seed=0, step=0)
     self.assertEqual(batch.inputs.shape, (2, cfg.train.seq_len))
+    if cfg.get("alternate") is not None:
+      # The part that alternates holds the same tokens per batch.
+      other = tasks.mixture_from_dict(cfg.alternate.to_dict())
+      self.assertEqual(other.seq_len * other.batch_size,
+                       mixture.seq_len * mixture.batch_size)
+      b = tasks.mixture_batch(other, seed=0, step=1)
+      self.assertEqual(b.inputs.shape, (other.batch_size, other.seq_len))
 
   def test_parameter_counts_match(self):
     counts = {v: kvjax.param_count(kvjax.ModelConfig.from_dict(
@@ -855,6 +892,18 @@ class TrainTest(absltest.TestCase):
                              self.create_tempdir("other").full_path,
                              init_from=first)
 
+  def test_alternating_mixtures_resume_and_are_scored_per_part(self):
+    final = self._check_resume(
+        [tasks.Mixture(tasks=(("passkey", 1.0),), seq_len=128, batch_size=2),
+         tasks.Mixture(tasks=(("mqar1_flat", 1.0),), seq_len=32,
+                       batch_size=8, min_seq_len=24)])
+    for part in ("passkey", "mqar1_flat"):
+      self.assertTrue(np.isfinite(final[f"{part}/loss"]))
+      self.assertGreater(final[f"{part}/targets"], 0)
+    # The pooled metrics weigh each part by its supervised targets.
+    self.assertEqual(final["targets"], final["passkey/targets"] +
+                     final["mqar1_flat/targets"])
+
   def _check_resume(self, mixture, **curriculum):
     import shutil  # pylint: disable=g-import-not-at-top
     import jax  # pylint: disable=g-import-not-at-top
@@ -877,6 +926,7 @@ class TrainTest(absltest.TestCase):
     _, b = orbax_checkpoint.restore_params(resumed)
     for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
       np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    return final
 
 
 @pytest.mark.slow

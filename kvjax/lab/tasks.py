@@ -1290,7 +1290,49 @@ def _params_to_fine_tune(init_from, model_config):
   return params
 
 
-def train_task_model(model_config, train_config, mixture: Mixture,
+def part_name(mixture: Mixture) -> str:
+  """How validation names an alternating part: its first task ('text' for
+  plain rows only)."""
+  return mixture.tasks[0][0] if mixture.tasks else "text"
+
+
+def _check_parts(parts: Sequence[Mixture], train_config,
+                 short_steps: int):
+  """ValueError, before any compute, unless the parts can alternate under
+  `train_config`: the first part's (T, B) is the config's, every part's
+  batch holds its B · T tokens, the parts' names differ, and no length
+  curriculum (it is defined on one mixture)."""
+  if not parts or not all(isinstance(m, Mixture) for m in parts):
+    raise ValueError(f"mixture must be a Mixture or a non-empty sequence of "
+                     f"them, got {parts!r}")
+  first = parts[0]
+  if (train_config.seq_len, train_config.batch_size) != (
+      first.seq_len, first.batch_size):
+    raise ValueError(
+        f"train seq_len/batch_size ({train_config.seq_len}, "
+        f"{train_config.batch_size}) differ from the mixture's "
+        f"({first.seq_len}, {first.batch_size})")
+  if len(parts) == 1:
+    return
+  tokens = first.seq_len * first.batch_size
+  for m in parts[1:]:
+    if m.seq_len * m.batch_size != tokens:
+      raise ValueError(
+          f"alternating mixtures must hold the same tokens per batch: "
+          f"{part_name(m)!r} has seq_len*batch_size = {m.seq_len}*"
+          f"{m.batch_size} = {m.seq_len * m.batch_size}, the first "
+          f"{first.seq_len}*{first.batch_size} = {tokens}")
+  names = [part_name(m) for m in parts]
+  if len(set(names)) != len(names):
+    raise ValueError(f"alternating mixtures need different first tasks "
+                     f"(validation names each part by it), got {names}")
+  if short_steps > 0:
+    raise ValueError("a length curriculum (short_steps > 0) applies to one "
+                     "mixture, not to alternating ones")
+
+
+def train_task_model(model_config, train_config,
+                     mixture: Mixture | Sequence[Mixture],
                      workdir, *, haystack: np.ndarray | None = None,
                      text: np.ndarray | None = None,
                      short_steps: int = 0, short_seq_len: int = 0,
@@ -1309,12 +1351,21 @@ def train_task_model(model_config, train_config, mixture: Mixture,
   validation, use the mixture as given (varied lengths then undo the
   fixed length's positional shortcut).
 
+  Several mixtures (parts) alternate by update: update i draws its batch
+  from part i mod P, so one model learns tasks whose rows want different
+  shapes (passkey's 256-byte rows, 16 a batch, beside MQAR's 32-byte rows,
+  128 a batch) without padding the short rows to the long ones. Every
+  part's batch holds the same B · T tokens, so an update is the same size
+  whichever part it draws from; validation scores every part (its metrics
+  pooled over the parts' targets, and per part under '<part>/<metric>',
+  <part> the part's first task).
+
   Args:
     model_config: `kvjax.ModelConfig` (vocab_size must be 259).
     train_config: `kvjax.train.TrainConfig`; its seq_len and batch_size
-      must equal the mixture's.
+      must equal the (first) mixture's.
     mixture: what the batches hold (`mixture_batch(seed=train_config.seed,
-      step=i)` for update i).
+      step=i)` for update i), or a sequence of parts that alternate.
     workdir: checkpoints (kvjax.orbax_checkpoint's layout), metrics.jsonl,
       config.json, final.json.
   Returns:
@@ -1332,12 +1383,9 @@ def train_task_model(model_config, train_config, mixture: Mixture,
   if model_config.vocab_size != data.VOCAB_SIZE:
     raise ValueError(f"model vocab_size={model_config.vocab_size}, byte "
                      f"tasks need {data.VOCAB_SIZE}")
-  if (train_config.seq_len, train_config.batch_size) != (
-      mixture.seq_len, mixture.batch_size):
-    raise ValueError(
-        f"train seq_len/batch_size ({train_config.seq_len}, "
-        f"{train_config.batch_size}) differ from the mixture's "
-        f"({mixture.seq_len}, {mixture.batch_size})")
+  parts = (mixture,) if isinstance(mixture, Mixture) else tuple(mixture)
+  _check_parts(parts, train_config, short_steps)
+  mixture = parts[0]
   # Before anything starts the JAX backend (kvjax/allocator.py).
   allocator.keep_host_memory()
   orbax_checkpoint.quiet_orbax_logs()
@@ -1351,7 +1399,9 @@ def train_task_model(model_config, train_config, mixture: Mixture,
   with open(workdir / train.CONFIG_FILE, "w") as f:
     json.dump({"model": model_dict,
                "train": dataclasses.asdict(train_config),
-               "tasks": dataclasses.asdict(mixture)}, f, indent=2)
+               "tasks": dataclasses.asdict(mixture),
+               **({"alternate": [dataclasses.asdict(m) for m in parts[1:]]}
+                  if len(parts) > 1 else {})}, f, indent=2)
   step_fn, eval_fn = _masked_step_fns()
   if init_from is None:
     params = jax.jit(kvjax.init_params, static_argnums=0)(
@@ -1363,13 +1413,13 @@ def train_task_model(model_config, train_config, mixture: Mixture,
       train.make_optimizer(train_config),
       eval_logits_fn=train.model_logits_fn(model_config))
   # Validation scores the answers only, whatever the training loss covers.
-  answers_only = dataclasses.replace(mixture, prompt_loss=False)
-  eval_set = [mixture_batch(answers_only,
-                            seed=train_config.seed + EVAL_SEED_OFFSET,
-                            step=k, haystack=haystack, text=text)
-              for k in range(train_config.eval_batches)]
-  logging.info("task model %s: %d parameters; mixture %s", model_config.variant,
-               kvjax.param_count(model_config), mixture.tasks)
+  eval_sets = [[mixture_batch(dataclasses.replace(m, prompt_loss=False),
+                              seed=train_config.seed + EVAL_SEED_OFFSET,
+                              step=k, haystack=haystack, text=text)
+                for k in range(train_config.eval_batches)] for m in parts]
+  logging.info("task model %s: %d parameters; mixture %s",
+               model_config.variant, kvjax.param_count(model_config),
+               [m.tasks for m in parts])
 
   short = mixture
   if short_steps > 0:
@@ -1380,15 +1430,24 @@ def train_task_model(model_config, train_config, mixture: Mixture,
                                 min_seq_len=None)
 
   def batch_fn(i):
-    b = mixture_batch(short if i < short_steps else mixture,
+    b = mixture_batch(short if i < short_steps else parts[i % len(parts)],
                       seed=train_config.seed, step=i, haystack=haystack,
                       text=text)
     return b.inputs, b.targets
 
+  def evaluate_fn(st):
+    if len(parts) == 1:
+      return evaluate_mixture(st, eval_fn, eval_sets[0])
+    metrics = evaluate_mixture(st, eval_fn,
+                               [b for bs in eval_sets for b in bs])
+    for m, bs in zip(parts, eval_sets):
+      metrics.update({f"{part_name(m)}/{k}": v for k, v in
+                      evaluate_mixture(st, eval_fn, bs).items()})
+    return metrics
+
   start = time.perf_counter()
   _, final = train.fit(
-      state, batch_fn=batch_fn,
-      evaluate_fn=lambda st: evaluate_mixture(st, eval_fn, eval_set),
+      state, batch_fn=batch_fn, evaluate_fn=evaluate_fn,
       config=train_config, workdir=workdir, model_config_dict=model_dict,
       step_fn=step_fn)
   final["wall_s"] = time.perf_counter() - start
@@ -1409,8 +1468,11 @@ def _main(argv):
   mixture = mixture_from_dict(dict(cfg.tasks.to_dict(),
                                    seq_len=train_config.seq_len,
                                    batch_size=train_config.batch_size))
+  sections = [cfg.tasks] + ([cfg.alternate] if cfg.get("alternate") is not None
+                            else [])
   needs_text = cfg.tasks.text_weight > 0 or any(
-      getattr(get_task(n), "filler", None) == "text" for n in cfg.tasks.names)
+      getattr(get_task(n), "filler", None) == "text"
+      for sec in sections for n in sec.names)
   haystack = (load_haystack("train", train_config.data_dir)
               if needs_text else None)
   text = None
@@ -1420,9 +1482,12 @@ def _main(argv):
           f"text_weight={cfg.tasks.text_weight} needs the Austen corpus: "
           f"{data.INSTALL_COMMAND}")
     text = data.austen_streams(train_config.data_dir).train
+  parts = [mixture]
+  if cfg.get("alternate") is not None:
+    parts.append(mixture_from_dict(cfg.alternate.to_dict()))
   curriculum = cfg.get("curriculum") or {}
   final = train_task_model(configs.model_config(cfg.model), train_config,
-                           mixture, flags.FLAGS.workdir, haystack=haystack,
+                           parts, flags.FLAGS.workdir, haystack=haystack,
                            text=text,
                            short_steps=int(curriculum.get("steps", 0)),
                            short_seq_len=int(curriculum.get("seq_len", 0)),
