@@ -20,7 +20,9 @@ Modes (each writes <mode>.json and, where it plots, <mode>.png to --workdir):
              tokens/s at long context (--quant_batch × --quant_context).
   sweep      decode step time against context length and batch for every
              variant and kv_dtype (the cache-dominated regime), the kinds
-             and the read probe timed in alternating rounds per point.
+             and the read probe timed in alternating rounds per point;
+             then per point the cache's own read rate (Δ bytes / Δ time
+             against the shortest context: the step less its fixed part).
   ppl        only the perplexity part of `quant`.
 
 Multi-variant modes build `model_dict(variant, size)` for the preset's size.
@@ -535,6 +537,17 @@ def run_sweep():
                             need["total"] / 1e6, 100 * row["of_read_probe"]))
     del params
   report.close()
+  # The cache's own read rate per point (against the shortest context of
+  # its variant, kind and batch): the step minus its fixed part.
+  out["rows"] = bm.cache_read_rates(out["rows"])
+  for r in out["rows"]:
+    if "cache_read" in r:
+      c = r["cache_read"]
+      print("%-13s %-9s b%-3d ctx %5d: cache read at %5.1f GB/s, %3.0f%% of "
+            "the read probe (fixed part %.2f ms, from ctx %d)" % (
+                r["variant"], r["kv_dtype"], r["batch"], r["context"],
+                c["bytes_per_s"] / 1e9, 100 * c["of_read_probe"],
+                1e3 * c["fixed_s"], c["from_context"]))
   # The figure's probe line: the median of the points' own probes.
   out["read_probe"] = dict(bytes_per_s=statistics.median(
       r["read_probe"] for r in out["rows"]))

@@ -98,6 +98,36 @@ class TimingTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "no values"):
       bm.spread(())
 
+  def test_cache_read_rates_recover_the_line(self):
+    # Steps made exactly as fixed + cache / rate: the rates and the fixed
+    # parts come back, per (variant, kind, batch) group.
+    def row(variant, kind, ctx, fixed, rate, probe):
+      cache = 1000.0 * ctx
+      return dict(variant=variant, kv_dtype=kind, batch=8, context=ctx,
+                  bytes=dict(cache=cache, weights=5e4, total=cache + 5e4),
+                  step_s=fixed + cache / rate, read_probe=probe)
+    rows = [row("gqa", "float32", c, 2e-3, 16e9, p)
+            for c, p in ((2048, 30e9), (8192, 20e9), (16384, 10e9))]
+    rows += [row("mla", "int8", c, 1e-3, 5e9, 25e9) for c in (2048, 8192)]
+    rows += [row("mqa", "int8", 4096, 1e-3, 5e9, 25e9)]  # one context
+    out = bm.cache_read_rates(rows)
+    self.assertEqual([r["context"] for r in out], [r["context"] for r in rows])
+    self.assertNotIn("cache_read", out[0])
+    self.assertNotIn("cache_read", rows[1])  # the input is not changed
+    got = {(r["variant"], r["context"]): r["cache_read"] for r in out
+           if "cache_read" in r}
+    self.assertEqual(set(got), {("gqa", 8192), ("gqa", 16384),
+                                ("mla", 8192)})
+    self.assertAlmostEqual(got["gqa", 8192]["bytes_per_s"] / 16e9, 1.0)
+    self.assertAlmostEqual(got["gqa", 8192]["of_read_probe"], 16 / 25)
+    self.assertAlmostEqual(got["gqa", 16384]["of_read_probe"], 16 / 20)
+    self.assertAlmostEqual(got["gqa", 16384]["fixed_s"], 2e-3)
+    self.assertAlmostEqual(got["mla", 8192]["bytes_per_s"] / 5e9, 1.0)
+    self.assertEqual(got["mla", 8192]["from_context"], 2048)
+    rows[1]["step_s"] = rows[0]["step_s"]
+    with self.assertRaisesRegex(ValueError, "context 8192.*not longer"):
+      bm.cache_read_rates(rows)
+
   def test_compile_seconds(self):
     f = jax.jit(lambda x: jnp.sin(x) @ x)
     out = bm.compile_seconds(f, jnp.ones((8, 8)))

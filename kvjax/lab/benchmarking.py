@@ -45,7 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -182,6 +182,49 @@ def paired_ratios(num, den) -> tuple[float, ...]:
   if min(den) <= 0:
     raise ValueError(f"paired_ratios: non-positive denominator {min(den)}")
   return tuple(a / b for a, b in zip(num, den))
+
+
+def cache_read_rates(rows: Sequence[Mapping[str, Any]]
+                     ) -> list[dict[str, Any]]:
+  """The sweep's rows (`experiments/benchmark.py --modes=sweep`), each with
+  the rate at which its step reads the cache itself.
+
+  Against the row of the same (variant, kv_dtype, batch) at the sweep's
+  shortest context: Δ cache bytes / Δ step time, and that over the mean of
+  the two rows' read probes. Why: a step is a fixed part (the weights'
+  products, the sampling; `fixed_s`, this line's intercept) plus the
+  cache's read; the whole step's share of the probe charges the fixed part
+  to the kernel, the difference isolates what each cached token costs.
+  Rows at the shortest context, or whose group has one context, are
+  returned without 'cache_read'.
+
+  Raises:
+    ValueError: a longer context that did not take longer (a rate needs a
+      positive Δ time; say which point).
+  """
+  out = [dict(r) for r in rows]
+  groups: dict[tuple, list[dict]] = {}
+  for r in out:
+    groups.setdefault((r["variant"], r["kv_dtype"], r["batch"]), []).append(r)
+  for key, group in groups.items():
+    base = min(group, key=lambda r: r["context"])
+    for r in group:
+      if r["context"] == base["context"]:
+        continue
+      d_bytes = r["bytes"]["cache"] - base["bytes"]["cache"]
+      d_s = r["step_s"] - base["step_s"]
+      if d_s <= 0:
+        raise ValueError(
+            f"cache_read_rates: {key} at context {r['context']} took "
+            f"{r['step_s']:.3g} s, not longer than {base['step_s']:.3g} s at "
+            f"context {base['context']}")
+      rate = d_bytes / d_s
+      probe = 0.5 * (r["read_probe"] + base["read_probe"])
+      r["cache_read"] = dict(
+          bytes_per_s=rate, of_read_probe=rate / probe,
+          fixed_s=base["step_s"] - base["bytes"]["cache"] / rate,
+          from_context=base["context"])
+  return out
 
 
 def spread(values) -> dict[str, float]:
