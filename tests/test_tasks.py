@@ -954,6 +954,29 @@ class ShippedTaskModelTest(parameterized.TestCase):
     early = [r["exact"] for r in window if r["depth"] == 0.0]
     self.assertEqual(sum(early), 0, window)
 
+  @parameterized.parameters("gqa", "mqa", "mha", "mla")
+  def test_the_mixture_model_retrieves_and_recalls(self, variant):
+    # checkpoints/tasks-<variant>-passkey_mqar: one model for passkey at
+    # T = 256 and flat MQAR at T = 32 (fresh seeds), through the full
+    # cache; its passkey start never saw MQAR and recalls at chance.
+    import os  # pylint: disable=g-import-not-at-top
+    from kvjax import orbax_checkpoint  # pylint: disable=g-import-not-at-top
+    root = os.path.join(os.path.dirname(__file__), "..", "checkpoints")
+    config, params = orbax_checkpoint.restore_params(
+        os.path.join(root, f"tasks-{variant}-passkey_mqar"))
+    self.assertEqual(config.variant, variant)
+    full = task_eval.parse_policy("full")
+    keys = tasks.task_set("passkey", [256], [0.0, 0.5, 1.0], 4, seed=321)
+    recall = tasks.task_set("mqar1_flat", [32], [0.0, 0.5, 1.0], 4,
+                            seed=321)
+    for exs in (keys, recall):
+      got = task_eval.evaluate(params, config, exs, full, 1.0)
+      self.assertGreaterEqual(sum(r["exact"] for r in got), 11, got)
+    _, start = orbax_checkpoint.restore_params(
+        os.path.join(root, f"tasks-{variant}-passkey"))
+    before = task_eval.evaluate(start, config, recall, full, 1.0)
+    self.assertLessEqual(sum(r["exact"] for r in before), 2, before)
+
 
 @pytest.mark.slow
 class ExperimentTest(absltest.TestCase):
