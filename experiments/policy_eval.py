@@ -11,6 +11,10 @@ keeps the needle at 10 % of the cache:
   python experiments/policy_eval.py --checkpoint=workdir/tasks-gqa-passkey \
       --tasks=passkey --lengths=256 --kv_dtypes=float32,int8,kivi \
       --workdir=workdir/task_eval_pk
+  python experiments/policy_eval.py \
+      --checkpoint=checkpoints/tasks-gqa-passkey_mqar \
+      --tasks=passkey,mqar1_flat --lengths=passkey:256,mqar1_flat:32 \
+      --budgets=0.25,0.5,0.75 --workdir=workdir/task_eval_both
 
 Policies: full, window, sinks<n> and every scored policy of
 `kvjax.policies` (h2o, tova, knorm, snapkv, pyramid, adakv, keydiff), each
@@ -69,7 +73,10 @@ _MODEL = config_flags.DEFINE_config_file(
     "Random-weight preset, used only with --checkpoint=''.", lock_config=True)
 _TASKS = flags.DEFINE_list("tasks", "passkey",
                            f"Task names from {sorted(tasks.TASKS)}.")
-_LENGTHS = flags.DEFINE_list("lengths", "256", "Prompt lengths T.")
+_LENGTHS = flags.DEFINE_list(
+    "lengths", "256", "Prompt lengths T: 'T' for every task, 'task:T' for "
+    "one (a model of several tasks at each one's training length, e.g. "
+    "passkey:256,mqar1_flat:32).")
 _DEPTHS = flags.DEFINE_list("depths", "0,0.25,0.5,0.75,1",
                             "Needle depths in [0, 1].")
 _SAMPLES = flags.DEFINE_integer("samples", 4,
@@ -319,7 +326,8 @@ def plan(policy_names, kv_dtypes):
 def main(argv):
   if len(argv) > 1:
     raise cli.UsageError(f"unexpected arguments: {argv[1:]}")
-  lengths = [int(n) for n in _LENGTHS.value]
+  lengths = task_eval.lengths_per_task(_LENGTHS.value, _TASKS.value)
+  every_length = sorted({n for ns in lengths.values() for n in ns})
   depths = [float(d) for d in _DEPTHS.value]
   budgets = sorted(task_eval.check_budget(float(b)) for b in _BUDGETS.value)
   if _SEEDS.value < 1:
@@ -329,14 +337,14 @@ def main(argv):
   specs = plan(_POLICIES.value, _KV_DTYPES.value)
   for name in _TASKS.value:
     spec = tasks.get_task(name)
-    for n in lengths:
+    for n in lengths[name]:
       if n < tasks.min_length(spec):
         raise ValueError(f"length={n} is below the minimum "
                          f"{tasks.min_length(spec)} of task {name!r}")
   # Every (policy, budget, length) must be runnable before anything runs.
   for s in specs:
     for b in budgets:
-      for n in lengths:
+      for n in every_length:
         s.capacity(b, n, 1)
   heat_budget = (_HEATMAP_BUDGET.value if _HEATMAP_BUDGET.value is not None
                  else budgets[len(budgets) // 2])
@@ -344,7 +352,7 @@ def main(argv):
   os.makedirs(_WORKDIR.value, exist_ok=True)
   orbax_checkpoint.quiet_orbax_logs()
   config, params, what = load_model()
-  too_long = [n for n in lengths if n + 64 > config.max_seq_len]
+  too_long = [n for n in every_length if n + 64 > config.max_seq_len]
   if too_long:
     raise ValueError(f"lengths {too_long} exceed the model's max_seq_len="
                      f"{config.max_seq_len}")
@@ -352,7 +360,7 @@ def main(argv):
   # per-kv-head policy on MLA's shared latent is refused by init_cache).
   for s in specs:
     for b in budgets:
-      for n in lengths:
+      for n in every_length:
         cap = s.capacity(b, n, 1)
         try:
           task_eval.sequence_kv_bytes(config, s.at(cap), cap)
@@ -361,7 +369,7 @@ def main(argv):
                            f"({config.variant}): {e}; leave it out of "
                            "--policies") from None
   haystack = tasks.load_haystack("validation", _DATA_DIR.value)
-  draws = {name: [tasks.task_set(name, lengths, depths, _SAMPLES.value,
+  draws = {name: [tasks.task_set(name, lengths[name], depths, _SAMPLES.value,
                                  _SEED.value + SEED_STRIDE * i, haystack)
                   for i in range(_SEEDS.value)]
            for name in _TASKS.value}

@@ -679,6 +679,24 @@ class PolicyTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, message):
       task_eval.parse_policy(name).capacity(budget, 256, 5)
 
+  def test_lengths_per_task(self):
+    both = ("passkey", "mqar1_flat")
+    self.assertEqual(task_eval.lengths_per_task(["256"], both),
+                     {"passkey": [256], "mqar1_flat": [256]})
+    self.assertEqual(
+        task_eval.lengths_per_task(["passkey:256", "mqar1_flat:32",
+                                    "mqar1_flat:64"], both),
+        {"passkey": [256], "mqar1_flat": [32, 64]})
+    # A plain T serves the tasks that have none of their own.
+    self.assertEqual(task_eval.lengths_per_task(["512", "mqar1_flat:32"],
+                                                both),
+                     {"passkey": [512], "mqar1_flat": [32]})
+    for entries, message in [(["passkey:x"], "not T or task:T"),
+                             (["niah_single:256", "256"], "names task"),
+                             (["passkey:256"], r"no length.*mqar1_flat")]:
+      with self.assertRaisesRegex(ValueError, message):
+        task_eval.lengths_per_task(entries, both)
+
   def test_unknown_policy(self):
     with self.assertRaisesRegex(ValueError, "not one of full"):
       task_eval.parse_policy("lru")
@@ -991,7 +1009,7 @@ class ExperimentTest(absltest.TestCase):
     proc = subprocess.run(
         [sys.executable, "experiments/policy_eval.py", f"--workdir={workdir}",
          "--checkpoint=", "--model=configs/model.py:gqa-tiny",
-         "--tasks=passkey,mqar", "--lengths=128", "--depths=0,1",
+         "--tasks=passkey,mqar", "--lengths=128,mqar:144", "--depths=0,1",
          "--samples=1", "--seeds=2", "--policies=full,window,snapkv",
          "--kv_dtypes=float32,int8,kivi", "--budgets=0.5"],
         cwd=root, env=dict(os.environ, JAX_PLATFORMS="cpu"),
@@ -999,6 +1017,8 @@ class ExperimentTest(absltest.TestCase):
     self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
     self.assertIn("| passkey | 128 | window |", proc.stdout)
     self.assertIn("| passkey | 128 | snapkv [int8] |", proc.stdout)
+    self.assertIn("| mqar | 144 | window |", proc.stdout)  # its own length
+    self.assertNotIn("| mqar | 128 |", proc.stdout)
     self.assertIn("left out ['window [kivi]', 'snapkv [kivi]']", proc.stderr)
     with open(os.path.join(workdir, "results.json")) as f:
       out = json.load(f)
@@ -1027,6 +1047,7 @@ class ExperimentTest(absltest.TestCase):
     for flag, message in (("--budgets=0", "budget must be in"),
                           ("--tasks=nope", "unknown task"),
                           ("--lengths=50", "below the minimum"),
+                          ("--lengths=niah_single:256", "names task"),
                           ("--policies=lru", "not one of full"),
                           ("--kv_dtypes=int3", "kv_dtype='int3'"),
                           ("--seeds=0", "seeds must be >= 1")):

@@ -168,6 +168,41 @@ def check_budget(budget: float) -> float:
   return float(budget)
 
 
+def lengths_per_task(entries: Sequence[str], task_names: Sequence[str]
+                     ) -> dict[str, list[int]]:
+  """Prompt lengths per task from `policy_eval`'s --lengths entries: 'T'
+  (every task without lengths of its own) or 'task:T' (that task only), so
+  one run scores a model of several tasks at each one's training length,
+  e.g. ['passkey:256', 'mqar1_flat:32'].
+
+  Raises:
+    ValueError: an entry that is not an integer or 'task:integer', a task
+      not among `task_names`, or a task left with no length.
+  """
+  shared: list[int] = []
+  own: dict[str, list[int]] = {}
+  for entry in entries:
+    name, sep, value = str(entry).strip().rpartition(":")
+    try:
+      n = int(value)
+    except ValueError:
+      raise ValueError(f"lengths: {entry!r} is not T or task:T (T an "
+                       "integer)") from None
+    if not sep:
+      shared.append(n)
+    elif name not in task_names:
+      raise ValueError(f"lengths: {entry!r} names task {name!r}, not one "
+                       f"of the tasks {list(task_names)}")
+    else:
+      own.setdefault(name, []).append(n)
+  out = {t: own.get(t, shared) for t in task_names}
+  missing = [t for t, ns in out.items() if not ns]
+  if missing:
+    raise ValueError(f"lengths: no length for task(s) {missing}; give T or "
+                     f"task:T")
+  return {t: list(ns) for t, ns in out.items()}
+
+
 def parse_policy(name: str, kv_dtype: str = "float32") -> PolicySpec:
   """'full', 'window', 'sinks<n>' or a scored policy's name (h2o, tova,
   knorm, snapkv, ...), optionally ':original'/':cache' and '@stream'.
