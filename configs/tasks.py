@@ -51,9 +51,10 @@ whole row, else on the answers only; validation always scores answers):
            the passkey mixture (T 256, 16 rows) alternating by update with
            flat MQAR (`alternate`: mqar1_flat, T 24-32, 128 rows: the same
            4,096 tokens), fine-tuned from the passkey model at lr 1e-3,
-           4000 updates: one model for both retrieval and recall (MQA
-           took lr 3e-3: at 1e-3 its recall stalls at 0.84 of the rows,
-           WORKSPACE.md "One model per variant")
+           4000 updates: one model for both retrieval and recall (MQA's
+           shipped model: --config.train.lr=3e-3; at 1e-3 its recall
+           stalls at 0.84 of the rows, WORKSPACE.md "One model per
+           variant")
   mix      passkey, RULER's families and MQAR at T = 512 (multi-value and
            multi-query prompts need > 256 bytes), prompt_loss
 
