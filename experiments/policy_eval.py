@@ -326,29 +326,32 @@ def plan(policy_names, kv_dtypes):
 def main(argv):
   if len(argv) > 1:
     raise cli.UsageError(f"unexpected arguments: {argv[1:]}")
-  lengths = task_eval.lengths_per_task(_LENGTHS.value, _TASKS.value)
-  every_length = sorted({n for ns in lengths.values() for n in ns})
-  depths = [float(d) for d in _DEPTHS.value]
-  budgets = sorted(task_eval.check_budget(float(b)) for b in _BUDGETS.value)
-  if _SEEDS.value < 1:
-    raise ValueError(f"seeds must be >= 1, got {_SEEDS.value}")
-  if _SAMPLES.value >= SEED_STRIDE:
-    raise ValueError(f"samples must be < {SEED_STRIDE}, got {_SAMPLES.value}")
-  specs = plan(_POLICIES.value, _KV_DTYPES.value)
-  for name in _TASKS.value:
-    spec = tasks.get_task(name)
-    for n in lengths[name]:
-      if n < tasks.min_length(spec):
-        raise ValueError(f"length={n} is below the minimum "
-                         f"{tasks.min_length(spec)} of task {name!r}")
-  # Every (policy, budget, length) must be runnable before anything runs.
-  for s in specs:
-    for b in budgets:
-      for n in every_length:
-        s.capacity(b, n, 1)
-  heat_budget = (_HEATMAP_BUDGET.value if _HEATMAP_BUDGET.value is not None
-                 else budgets[len(budgets) // 2])
-  task_eval.check_budget(heat_budget)
+  # The flags' values, checked before anything loads (one-line errors).
+  with cli.checking():
+    lengths = task_eval.lengths_per_task(_LENGTHS.value, _TASKS.value)
+    every_length = sorted({n for ns in lengths.values() for n in ns})
+    depths = [float(d) for d in _DEPTHS.value]
+    budgets = sorted(task_eval.check_budget(float(b)) for b in _BUDGETS.value)
+    if _SEEDS.value < 1:
+      raise ValueError(f"seeds must be >= 1, got {_SEEDS.value}")
+    if _SAMPLES.value >= SEED_STRIDE:
+      raise ValueError(f"samples must be < {SEED_STRIDE}, got "
+                       f"{_SAMPLES.value}")
+    specs = plan(_POLICIES.value, _KV_DTYPES.value)
+    for name in _TASKS.value:
+      spec = tasks.get_task(name)
+      for n in lengths[name]:
+        if n < tasks.min_length(spec):
+          raise ValueError(f"length={n} is below the minimum "
+                           f"{tasks.min_length(spec)} of task {name!r}")
+    # Every (policy, budget, length) must be runnable before anything runs.
+    for s in specs:
+      for b in budgets:
+        for n in every_length:
+          s.capacity(b, n, 1)
+    heat_budget = (_HEATMAP_BUDGET.value if _HEATMAP_BUDGET.value
+                   is not None else budgets[len(budgets) // 2])
+    task_eval.check_budget(heat_budget)
   os.makedirs(_WORKDIR.value, exist_ok=True)
   orbax_checkpoint.quiet_orbax_logs()
   config, params, what = load_model()

@@ -1050,7 +1050,8 @@ class ExperimentTest(absltest.TestCase):
                           ("--lengths=niah_single:256", "names task"),
                           ("--policies=lru", "not one of full"),
                           ("--kv_dtypes=int3", "kv_dtype='int3'"),
-                          ("--seeds=0", "seeds must be >= 1")):
+                          ("--seeds=0", "seeds must be >= 1"),
+                          ("--policies=sinks32", "cannot run at budget")):
       proc = subprocess.run(
           [sys.executable, "experiments/policy_eval.py",
            f"--workdir={self.create_tempdir().full_path}", "--checkpoint=",
@@ -1058,6 +1059,7 @@ class ExperimentTest(absltest.TestCase):
           capture_output=True, text=True, timeout=300)
       self.assertNotEqual(proc.returncode, 0)
       self.assertIn(message, proc.stderr)
+      self.assertNotIn("Traceback", proc.stderr)  # one line, the user's
     # A policy the model's cache cannot hold (per kv head on MLA's shared
     # latent) is refused before any example runs, naming the policy.
     proc = subprocess.run(
