@@ -1261,20 +1261,30 @@ def _masked_step_fns():
   return step_fn, eval_fn
 
 
+def _eval_sums(state, eval_fn, batches: Sequence[TrainBatch]) -> np.ndarray:
+  """[nll, supervised targets, argmax hits, exact rows, rows] over fixed
+  batches: sums, so that parts scored apart pool by adding them."""
+  sums = np.zeros(5)
+  for b in batches:
+    sums[:4] += [float(x) for x in eval_fn(state, b.inputs, b.targets)]
+    sums[4] += b.inputs.shape[0]
+  return sums
+
+
+def _eval_metrics(sums: np.ndarray) -> dict:
+  nll, count, hits, rows, total = (float(x) for x in sums)
+  loss = nll / max(count, 1.0)
+  return {"loss": loss, "bits_per_byte": loss / math.log(2),
+          "token_accuracy": hits / max(count, 1.0),
+          "row_exact": rows / total, "targets": count}
+
+
 def evaluate_mixture(state, eval_fn, batches: Sequence[TrainBatch]) -> dict:
   """Teacher-forced metrics on fixed batches: loss (nats per supervised
   target), token_accuracy (argmax == target), row_exact (every supervised
   target of a row is the argmax: answer bytes, EOS, MQAR's answered
   queries)."""
-  nll = count = hits = rows = 0.0
-  for b in batches:
-    n, c, h, r = (float(x) for x in eval_fn(state, b.inputs, b.targets))
-    nll, count, hits, rows = nll + n, count + c, hits + h, rows + r
-  loss = nll / max(count, 1.0)
-  return {"loss": loss, "bits_per_byte": loss / math.log(2),
-          "token_accuracy": hits / max(count, 1.0),
-          "row_exact": rows / sum(b.inputs.shape[0] for b in batches),
-          "targets": count}
+  return _eval_metrics(_eval_sums(state, eval_fn, batches))
 
 
 def _params_to_fine_tune(init_from, model_config):
@@ -1436,13 +1446,13 @@ def train_task_model(model_config, train_config,
     return b.inputs, b.targets
 
   def evaluate_fn(st):
-    if len(parts) == 1:
-      return evaluate_mixture(st, eval_fn, eval_sets[0])
-    metrics = evaluate_mixture(st, eval_fn,
-                               [b for bs in eval_sets for b in bs])
-    for m, bs in zip(parts, eval_sets):
-      metrics.update({f"{part_name(m)}/{k}": v for k, v in
-                      evaluate_mixture(st, eval_fn, bs).items()})
+    # Each part scored once; the pooled metrics add the parts' sums.
+    sums = [_eval_sums(st, eval_fn, bs) for bs in eval_sets]
+    metrics = _eval_metrics(sum(sums))
+    if len(parts) > 1:
+      for m, part in zip(parts, sums):
+        metrics.update({f"{part_name(m)}/{k}": v
+                        for k, v in _eval_metrics(part).items()})
     return metrics
 
   start = time.perf_counter()
