@@ -1466,6 +1466,22 @@ def train_task_model(model_config, train_config,
   return final
 
 
+# A task config's sections of the parts after the first (configs/tasks.py),
+# in the order they alternate.
+ALTERNATE_KEYS = ("alternate",) + tuple(f"alternate_{k}" for k in range(2, 10))
+
+
+def alternate_sections(cfg) -> list:
+  """A task config's parts after the first, in the order they alternate:
+  sections `ALTERNATE_KEYS` up to the first one missing."""
+  out = []
+  for key in ALTERNATE_KEYS:
+    if cfg.get(key) is None:
+      break
+    out.append(cfg[key])
+  return out
+
+
 def _main(argv):
   """python -m kvjax.lab.tasks --config=configs/tasks.py:gqa-passkey
   --workdir=DIR: trains a task model (`train_task_model`)."""
@@ -1478,8 +1494,7 @@ def _main(argv):
   mixture = mixture_from_dict(dict(cfg.tasks.to_dict(),
                                    seq_len=train_config.seq_len,
                                    batch_size=train_config.batch_size))
-  sections = [cfg.tasks] + ([cfg.alternate] if cfg.get("alternate") is not None
-                            else [])
+  sections = [cfg.tasks] + alternate_sections(cfg)
   needs_text = cfg.tasks.text_weight > 0 or any(
       getattr(get_task(n), "filler", None) == "text"
       for sec in sections for n in sec.names)
@@ -1492,9 +1507,8 @@ def _main(argv):
           f"text_weight={cfg.tasks.text_weight} needs the Austen corpus: "
           f"{data.INSTALL_COMMAND}")
     text = data.austen_streams(train_config.data_dir).train
-  parts = [mixture]
-  if cfg.get("alternate") is not None:
-    parts.append(mixture_from_dict(cfg.alternate.to_dict()))
+  parts = [mixture] + [mixture_from_dict(sec.to_dict())
+                       for sec in alternate_sections(cfg)]
   curriculum = cfg.get("curriculum") or {}
   final = train_task_model(configs.model_config(cfg.model), train_config,
                            parts, flags.FLAGS.workdir, haystack=haystack,
