@@ -23,6 +23,10 @@ Modes (each writes <mode>.json and, where it plots, <mode>.png to --workdir):
              and the read probe timed in alternating rounds per point;
              then per point the cache's own read rate (Δ bytes / Δ time
              against the shortest context: the step less its fixed part).
+  fixed      what a decode step costs besides its cache, per variant and
+             --fixed_batches: the step at a nearly empty cache, each weight
+             product timed alone as the packed layout runs it, and the read
+             probe, in the same rounds (`kvjax.lab.benchmarking.fixed_part`).
   ppl        only the perplexity part of `quant`.
 
 Multi-variant modes build `model_dict(variant, size)` for the preset's size.
@@ -51,7 +55,7 @@ from kvjax import native_attention
 from configs import model as model_presets
 
 MODES = ("memory", "positions", "variants", "roofline", "quant", "sweep",
-         "ppl")
+         "fixed", "ppl")
 KV_DTYPES = ("float32", "bfloat16", "int8")
 
 _CONFIG = cli.DEFINE_config_file(
@@ -117,6 +121,9 @@ _SWEEP_DTYPES = cli.DEFINE_choice_list(
     "kv dtypes (float32, bfloat16, float16, int8, int4, int2) or "
     "int8-kivi / int4-kivi / int2-kivi (KIVI: per-channel keys at 8 / 4 / "
     "2 bits).")
+_FIXED_BATCHES = cli.DEFINE_int_list(
+    "fixed_batches", [1, 8], "Batches of the fixed-part profile.",
+    lower_bound=1)
 _SWEEP_STEPS = flags.DEFINE_integer(
     "sweep_steps", 16, "Decode steps per timed loop of the sweep.",
     lower_bound=1)
@@ -554,6 +561,38 @@ def run_sweep():
   _save("sweep", out, bm.plot_sweep)
 
 
+# ---- fixed part -------------------------------------------------------------
+def run_fixed():
+  out = dict(size=_size(), batches=_FIXED_BATCHES.value, rows=[],
+             machine=bm.machine_info())
+  configs = [(label, c) for label, c in _variant_rows()
+             if not label.endswith("naive")]
+  report = _Partial("fixed", len(configs) * len(_FIXED_BATCHES.value))
+  for label, config in configs:
+    params = _params(config)
+    for B in _FIXED_BATCHES.value:
+      r = dict(variant=label, **bm.fixed_part(params, config, B,
+                                              repeats=_REPEATS.value))
+      probe = r["read_probe"]["bytes_per_s"]
+      lines = ["%-13s b%-3d step %.2f ms at %d cached slots (%s): weights "
+               "%.1f MB, %.2f ms at the read probe's %.1f GB/s; products "
+               "%.2f ms, the rest %.2f ms" % (
+                   label, B, 1e3 * r["step_s"], r["capacity"], r["layout"],
+                   r["weight_bytes"] / 1e6, 1e3 * r["weights_at_probe_s"],
+                   probe / 1e9, 1e3 * r["products_s"], 1e3 * r["rest_s"])]
+      for p in r["products"]:
+        lines.append("    %-10s %-13s x%-2d %7.3f ms  %5.1f GB/s (%3.0f%% of "
+                     "the probe)  %5.1f G multiply-adds/s" % (
+                         p["name"], "x".join(map(str, p["shape"])),
+                         p["count"], 1e3 * p["s"], p["bytes_per_s"] / 1e9,
+                         100 * p["of_read_probe"], p["macs_per_s"] / 1e9))
+      out["rows"].append(r)
+      report(r, "\n".join(lines))
+    del params
+  report.close()
+  _save("fixed", out)
+
+
 def _check_perplexity(modes):
   """Perplexity's inputs, checked before anything is built or compiled."""
   if "ppl" in modes and not _TRAINED.value:
@@ -595,6 +634,8 @@ def _run_modes(config, modes):
       run_quant()
     elif mode == "sweep":
       run_sweep()
+    elif mode == "fixed":
+      run_fixed()
     elif mode == "ppl":
       _save("ppl", dict(perplexity=_perplexity(bm.CACHE_KINDS, "ppl")))
 

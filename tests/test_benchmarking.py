@@ -284,6 +284,52 @@ class DecodeStepsTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "kv_dtypes is empty"):
       bm.decode_steps_alternating(params, config, 1, 4, ())
 
+  @parameterized.parameters("gqa", "mla")
+  def test_fixed_part_times_every_packed_product_of_the_step(self, variant):
+    config = tiny(variant)
+    canonical = kvjax.init_params(config, jax.random.key(0))
+    params = kvjax.pack(canonical, config)
+    out = bm.fixed_part(params, config, 2, position=4, steps=2, reps=2,
+                        repeats=2, probe_bytes=1 << 20)
+    layer = params["layers"][0]
+    expected = {n: w for g in ("attn", "mlp") for n, w in layer[g].items()
+                if n.endswith("_t")}
+    expected["lm_head_t"] = params["lm_head_t"]
+    self.assertEqual([p["name"] for p in out["products"]], list(expected))
+    for p in out["products"]:
+      w = expected[p["name"]]
+      self.assertEqual(p["shape"], w.shape)
+      self.assertEqual(p["bytes"], w.nbytes)
+      self.assertEqual(p["count"], 1 if p["name"] == "lm_head_t"
+                       else config.num_layers)
+      self.assertGreater(p["s"], 0)
+      self.assertAlmostEqual(p["bytes_per_s"], p["bytes"] / p["s"])
+      self.assertAlmostEqual(p["macs_per_s"],
+                             2 * int(np.prod(w.shape)) / p["s"])
+    # The products are the weights the step reads, less norms and the
+    # embedding (gathered, not read whole).
+    product_bytes = sum(p["bytes"] * p["count"] for p in out["products"])
+    norms = bm.decode_weight_bytes(params, config) - product_bytes
+    self.assertEqual(out["weight_bytes"], product_bytes + norms)
+    self.assertGreaterEqual(norms, 0)
+    self.assertLess(norms, 0.01 * product_bytes)
+    self.assertAlmostEqual(out["products_s"], sum(
+        p["s"] * p["count"] for p in out["products"]))
+    self.assertAlmostEqual(out["rest_s"], out["step_s"] - out["products_s"])
+    self.assertEqual(out["capacity"], 4 + 2 * 3)  # what the loops write
+    self.assertEqual(out["cache_bytes"], bm.decode_bytes_per_step(
+        params, config, 2, out["capacity"])["cache"])
+    self.assertAlmostEqual(out["weights_at_probe_s"], out["weight_bytes"] /
+                           out["read_probe"]["bytes_per_s"])
+
+  def test_fixed_part_refuses_what_generate_does_not_decode_packed(self):
+    config = tiny("gqa")  # D 64: generate keeps the canonical layout
+    params = kvjax.init_params(config, jax.random.key(0))
+    with self.assertRaisesRegex(ValueError, "PACK_MIN_WIDTH"):
+      bm.fixed_part(params, config, 2)
+    with self.assertRaisesRegex(ValueError, "batch, steps and reps"):
+      bm.fixed_part(params, config, 0)
+
   def test_layouts_are_timed_as_asked_and_refused_where_they_cannot_run(self):
     config = tiny("gqa")
     params = kvjax.pack(kvjax.init_params(config, jax.random.key(0)), config)

@@ -584,13 +584,24 @@ class ConfigTest(parameterized.TestCase):
     batch = tasks.mixture_batch(dataclasses.replace(mixture, batch_size=2),
                                 seed=0, step=0)
     self.assertEqual(batch.inputs.shape, (2, cfg.train.seq_len))
-    if cfg.get("alternate") is not None:
-      # The part that alternates holds the same tokens per batch.
-      other = tasks.mixture_from_dict(cfg.alternate.to_dict())
+    for section in tasks.alternate_sections(cfg):
+      # Every part that alternates holds the same tokens per batch.
+      other = tasks.mixture_from_dict(section.to_dict())
       self.assertEqual(other.seq_len * other.batch_size,
                        mixture.seq_len * mixture.batch_size)
       b = tasks.mixture_batch(other, seed=0, step=1)
       self.assertEqual(b.inputs.shape, (other.batch_size, other.seq_len))
+
+  def test_alternating_parts_come_in_config_order(self):
+    cfg = task_configs.get_config("gqa-passkey_mqar_niah")
+    firsts = [tasks.part_name(tasks.mixture_from_dict(s.to_dict()))
+              for s in tasks.alternate_sections(cfg)]
+    self.assertEqual(firsts, ["mqar1_flat", "niah_single"])
+    # The needle part trains on its answers only (with the filler's loss
+    # as well it did not learn: configs/tasks.py).
+    self.assertFalse(cfg.alternate_2.prompt_loss)
+    self.assertEqual(tasks.alternate_sections(
+        task_configs.get_config("gqa-passkey")), [])
 
   def test_parameter_counts_match(self):
     counts = {v: kvjax.param_count(kvjax.ModelConfig.from_dict(

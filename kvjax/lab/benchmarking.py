@@ -941,6 +941,122 @@ def decode_steps_alternating(params, config: ModelConfig, batch: int,
                        "decode_steps_alternating")
 
 
+# Packed products an RMSNorm feeds (`projections`: norm_input=True).
+_NORM_FED = ("qkv_t", "q_t", "q_a_t", "kv_a_t", "gate_up_t")
+
+
+def _product_runner(weight, batch: int, reps: int, lm_head_of=None):
+  """(run, multiply-adds per product): `run()` does `reps` products of
+  `batch` rows by one packed weight inside one jitted scan (one dispatch
+  for all of them, each on its own rows so none is folded away): [out, in]
+  by `layers.linear_t`, per-head [N, out, in] by `linear_t_heads`, or the
+  LM head by `projections.lm_head(*lm_head_of)`."""
+  from kvjax import layers  # pylint: disable=g-import-not-at-top
+  from kvjax import projections  # pylint: disable=g-import-not-at-top
+  name, w = weight
+  if lm_head_of is not None:
+    params, config = lm_head_of
+    shape = (reps, batch, 1, config.embed_dim)
+    product = lambda x: projections.lm_head(params, x, config)
+    macs = batch * int(np.prod(w.shape))
+  elif w.ndim == 3:  # [N, out, in]
+    shape = (reps, batch, w.shape[0], w.shape[2])
+    product = lambda x: layers.linear_t_heads(x, w)
+    macs = batch * int(np.prod(w.shape))
+  else:
+    shape = (reps, batch, w.shape[1])
+    product = lambda x: layers.linear_t(x, w, norm_input=name in _NORM_FED)
+    macs = batch * int(np.prod(w.shape))
+  xs = jax.random.normal(jax.random.key(5), shape, w.dtype)
+  loop = jax.jit(lambda xs: jax.lax.scan(
+      lambda c, x: (c, product(x)), 0, xs)[1])
+  return (lambda: loop(xs)), macs
+
+
+def fixed_part(params, config: ModelConfig, batch: int, *,
+               position: int = 16, steps: int = 32, reps: int = 8,
+               warmup: int = 1, repeats: int = 5,
+               probe_bytes: int = 1 << 29) -> dict[str, Any]:
+  """What a decode step costs besides its cache: the step at a nearly
+  empty cache, and each weight product in it timed alone.
+
+  The step: `steps` greedy steps from `position` cached tokens in the
+  layout generate reads (`_decode_runner`; its cache holds only what the
+  loops write, a few hundred slots, so the kernel's read of it is small
+  beside the weights'). The products: every packed weight of layer 0
+  (every dense layer has the same shapes) and the LM head, `batch` rows
+  each, as the packed layout runs them (`kvjax.projections`), `reps` of
+  them per jitted call. Step, products and the read probe run in the
+  same alternating rounds (`time_alternating`).
+
+  Raises ValueError where generate does not decode this model packed
+  (`packed.packs`: narrow models keep the layer scan) or has MoE layers
+  (a step reads a few experts, not these shapes).
+
+  Returns:
+    batch, position, step_s; weight_bytes (what the step must read,
+    `decode_weight_bytes`) and cache_bytes (the cache it reads: every
+    slot of its capacity); read_probe (bytes_per_s); products: a list of
+    {name, shape, count (per step), s (one product), bytes, bytes_per_s,
+    of_read_probe, macs_per_s}; products_s (each product's time times its
+    count, summed); rest_s (step_s - products_s: norms, rotary, attention
+    over the small cache, sampling, the loop); weights_at_probe_s
+    (weight_bytes at the probe's rate).
+  """
+  if batch < 1 or position < 0 or steps < 1 or reps < 1:
+    raise ValueError(f"batch, steps and reps must be >= 1 and position >= "
+                     f"0, got {batch}, {steps}, {reps}, {position}")
+  if not packed.packs(params, config) and not packed.is_packed(params):
+    raise ValueError(
+        f"generate decodes this model in the canonical layout (embed_dim "
+        f"{config.embed_dim} < packed.PACK_MIN_WIDTH "
+        f"{packed.PACK_MIN_WIDTH}, or not on CPU): fixed_part times the "
+        f"packed layout's products")
+  if config.moe is not None:
+    raise ValueError("fixed_part times dense layers; this model has MoE "
+                     "layers")
+  fast = packed.for_decode(params, config)
+  layer = fast["layers"][0]
+  weights = [(name, w) for group in ("attn", "mlp")
+             for name, w in layer[group].items() if name.endswith("_t")]
+  head_name = "embed" if config.tie_embeddings else "lm_head_t"
+  runners = {name: _product_runner((name, w), batch, reps)
+             for name, w in weights}
+  runners[head_name] = _product_runner(
+      (head_name, fast[head_name]), batch, reps, lm_head_of=(fast, config))
+  step = _decode_runner(params, config, batch, position, steps, "float32",
+                        None, warmup + repeats)
+  probe = read_probe(probe_bytes)
+  fns = {"step": step[0], "read_probe": probe[0],
+         **{n: r[0] for n, r in runners.items()}}
+  t = time_alternating(fns, warmup=warmup, repeats=repeats)
+  errors.raise_if_set(step[1][0], "fixed_part")
+  probe_rate = probe[1] / t["read_probe"].median
+  shapes = dict(weights, **{head_name: fast[head_name]})
+  products = []
+  for name, (_, macs) in runners.items():
+    w = shapes[name]
+    one = t[name].median / reps
+    nbytes = int(np.prod(w.shape)) * jnp.dtype(w.dtype).itemsize
+    products.append(dict(
+        name=name, shape=tuple(w.shape),
+        count=1 if name == head_name else config.num_layers, s=one,
+        bytes=nbytes, bytes_per_s=nbytes / one,
+        of_read_probe=nbytes / one / probe_rate, macs_per_s=macs / one))
+  step_s = t["step"].median / steps
+  products_s = sum(p["s"] * p["count"] for p in products)
+  weight_bytes = decode_weight_bytes(fast, config)
+  return dict(batch=batch, position=position, step_s=step_s,
+              capacity=step[2], weight_bytes=weight_bytes,
+              cache_bytes=decode_bytes_per_step(
+                  params, config, batch, step[2])["cache"],
+              read_probe=dict(bytes_per_s=probe_rate, nbytes=probe[1]),
+              products=products, products_s=products_s,
+              rest_s=step_s - products_s,
+              weights_at_probe_s=weight_bytes / probe_rate,
+              layout=step[3].layout)
+
+
 def decode_models_alternating(models, batch: int, position: int, *,
                               kv_dtype: str = "float32", steps: int = 16,
                               warmup: int = 1, repeats: int = 5,
