@@ -60,10 +60,12 @@ whole row, else on the answers only; validation always scores answers):
            (`niah_single`, half the rows `niah_single_span`; T 256, 16
            rows, loss on the answers only), fine-tuned from the
            passkey_mqar model at lr 1e-3, 5000 updates: retrieval by key.
-           With the prompt loss on its rows as well, the needle stayed at
-           chance (0.21 of the answer bytes through 1,200 updates): the
-           7 answer bytes of a 256-byte row were lost in the filler's
-           loss
+           With the prompt loss on its rows as well
+           (--config.alternate_2.prompt_loss=True), the needle's answers
+           stayed at 0.20-0.22 of their bytes through 1,200 updates of a
+           3,000-update run: the 7 answer bytes of a 256-byte row were
+           lost in the filler's loss (WORKSPACE.md "One model per
+           variant")
   mix      passkey, RULER's families and MQAR at T = 512 (multi-value and
            multi-query prompts need > 256 bytes), prompt_loss
 
