@@ -959,7 +959,7 @@ class TrainTest(absltest.TestCase):
 
 
 # The variants whose passkey_mqar_niah model is shipped.
-SHIPPED_NIAH = ("gqa",)
+SHIPPED_NIAH = ("gqa", "mha")
 
 
 @pytest.mark.slow
