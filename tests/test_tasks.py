@@ -962,6 +962,30 @@ class TrainTest(absltest.TestCase):
 SHIPPED_NIAH = ("gqa", "mha")
 
 
+def _shipped(variant, recipe):
+  """(config, params) of checkpoints/tasks-<variant>-<recipe>."""
+  import os  # pylint: disable=g-import-not-at-top
+  from kvjax import orbax_checkpoint  # pylint: disable=g-import-not-at-top
+  config, params = orbax_checkpoint.restore_params(os.path.join(
+      os.path.dirname(__file__), "..", "checkpoints",
+      f"tasks-{variant}-{recipe}"))
+  assert config.variant == variant, (config.variant, variant)
+  return config, params
+
+
+def _retrieval_and_recall():
+  """12 fresh passkey prompts at T = 256 and 12 flat MQAR ones at T = 32."""
+  return (tasks.task_set("passkey", [256], [0.0, 0.5, 1.0], 4, seed=321),
+          tasks.task_set("mqar1_flat", [32], [0.0, 0.5, 1.0], 4, seed=321))
+
+
+def _exact(params, config, exs):
+  """How many of exs the model answers exactly through the full cache."""
+  got = task_eval.evaluate(params, config, exs,
+                           task_eval.parse_policy("full"), 1.0)
+  return sum(r["exact"] for r in got)
+
+
 @pytest.mark.slow
 class ShippedTaskModelTest(parameterized.TestCase):
 
@@ -972,16 +996,9 @@ class ShippedTaskModelTest(parameterized.TestCase):
     # model) finds a pass key anywhere in a 256-byte prompt (fresh seeds,
     # not the validation rows); a random model scores 0. A window of half
     # the prompt loses the early needles.
-    import os  # pylint: disable=g-import-not-at-top
-    from kvjax import orbax_checkpoint  # pylint: disable=g-import-not-at-top
-    root = os.path.join(os.path.dirname(__file__), "..")
-    config, params = orbax_checkpoint.restore_params(
-        os.path.join(root, "checkpoints", f"tasks-{variant}-passkey"))
-    self.assertEqual(config.variant, variant)
+    config, params = _shipped(variant, "passkey")
     exs = tasks.task_set("passkey", [256], [0.0, 0.5, 1.0], 4, seed=123)
-    full = task_eval.evaluate(params, config, exs,
-                              task_eval.parse_policy("full"), 1.0)
-    self.assertGreaterEqual(sum(r["exact"] for r in full), 11, full)
+    self.assertGreaterEqual(_exact(params, config, exs), 11)
     window = task_eval.evaluate(params, config, exs,
                                 task_eval.parse_policy("window"), 0.5)
     early = [r["exact"] for r in window if r["depth"] == 0.0]
@@ -992,23 +1009,12 @@ class ShippedTaskModelTest(parameterized.TestCase):
     # checkpoints/tasks-<variant>-passkey_mqar: one model for passkey at
     # T = 256 and flat MQAR at T = 32 (fresh seeds), through the full
     # cache; its passkey start never saw MQAR and recalls at chance.
-    import os  # pylint: disable=g-import-not-at-top
-    from kvjax import orbax_checkpoint  # pylint: disable=g-import-not-at-top
-    root = os.path.join(os.path.dirname(__file__), "..", "checkpoints")
-    config, params = orbax_checkpoint.restore_params(
-        os.path.join(root, f"tasks-{variant}-passkey_mqar"))
-    self.assertEqual(config.variant, variant)
-    full = task_eval.parse_policy("full")
-    keys = tasks.task_set("passkey", [256], [0.0, 0.5, 1.0], 4, seed=321)
-    recall = tasks.task_set("mqar1_flat", [32], [0.0, 0.5, 1.0], 4,
-                            seed=321)
+    config, params = _shipped(variant, "passkey_mqar")
+    keys, recall = _retrieval_and_recall()
     for exs in (keys, recall):
-      got = task_eval.evaluate(params, config, exs, full, 1.0)
-      self.assertGreaterEqual(sum(r["exact"] for r in got), 11, got)
-    _, start = orbax_checkpoint.restore_params(
-        os.path.join(root, f"tasks-{variant}-passkey"))
-    before = task_eval.evaluate(start, config, recall, full, 1.0)
-    self.assertLessEqual(sum(r["exact"] for r in before), 2, before)
+      self.assertGreaterEqual(_exact(params, config, exs), 11)
+    _, start = _shipped(variant, "passkey")
+    self.assertLessEqual(_exact(start, config, recall), 2)
 
   @parameterized.parameters(*[(v,) for v in SHIPPED_NIAH])
   def test_the_three_task_model_also_finds_a_needle_by_its_key(self, variant):
@@ -1018,25 +1024,13 @@ class ShippedTaskModelTest(parameterized.TestCase):
     # and answers at chance. Depth 0 (the needle right after BOS) is left
     # out: the model misses half of those at T = 256 (WORKSPACE.md "One
     # model per variant").
-    import os  # pylint: disable=g-import-not-at-top
-    from kvjax import orbax_checkpoint  # pylint: disable=g-import-not-at-top
-    root = os.path.join(os.path.dirname(__file__), "..", "checkpoints")
-    config, params = orbax_checkpoint.restore_params(
-        os.path.join(root, f"tasks-{variant}-passkey_mqar_niah"))
-    self.assertEqual(config.variant, variant)
-    full = task_eval.parse_policy("full")
-    keys = tasks.task_set("passkey", [256], [0.0, 0.5, 1.0], 4, seed=321)
-    recall = tasks.task_set("mqar1_flat", [32], [0.0, 0.5, 1.0], 4,
-                            seed=321)
+    config, params = _shipped(variant, "passkey_mqar_niah")
     needle = tasks.task_set("niah_single", [256], [0.25, 0.5, 1.0], 4,
                             seed=321)
-    for exs in (keys, recall, needle):
-      got = task_eval.evaluate(params, config, exs, full, 1.0)
-      self.assertGreaterEqual(sum(r["exact"] for r in got), 11, got)
-    _, start = orbax_checkpoint.restore_params(
-        os.path.join(root, f"tasks-{variant}-passkey_mqar"))
-    before = task_eval.evaluate(start, config, needle, full, 1.0)
-    self.assertLessEqual(sum(r["exact"] for r in before), 1, before)
+    for exs in (*_retrieval_and_recall(), needle):
+      self.assertGreaterEqual(_exact(params, config, exs), 11)
+    _, start = _shipped(variant, "passkey_mqar")
+    self.assertLessEqual(_exact(start, config, needle), 1)
 
 
 @pytest.mark.slow
