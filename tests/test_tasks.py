@@ -959,7 +959,7 @@ class TrainTest(absltest.TestCase):
 
 
 # The variants whose passkey_mqar_niah model is shipped.
-SHIPPED_NIAH = ("gqa", "mha")
+SHIPPED_NIAH = ("gqa", "mha", "mqa")
 
 
 def _shipped(variant, recipe):
