@@ -291,18 +291,29 @@ def amx_fits(dtype, C: int, R: int) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def preferred() -> bool:
-  """Whether 'auto' decode takes the kernel: where it is available and the
-  host has AVX-512 (`KVJAX_NATIVE=1` takes it wherever it builds).
+def preferred(kv_dtype: str = "float32", attention: str = "gqa",
+              group: int = 1, many: bool = False) -> bool:
+  """Whether 'auto' decode takes the kernel for a cache of `kv_dtype`
+  under `attention` with `group` query heads per kv head (G), `many`
+  sequences or not (`decode.LAYERED_MIN_BATCH` or more); where it is
+  available. `KVJAX_NATIVE=1` takes it wherever it builds.
 
   Chosen by measurement (WORKSPACE.md "Quantized caches, and the
-  cache-dominated regime"): on an Intel Xeon (AVX-512) the kernel reads the
-  cache at 53-81 % of the read probe, where XLA's views did not; on an AMD
-  EPYC with AVX2 only, XLA's layered view is 2.2-3.9x faster than the
-  kernel (gqa-small and mla-small, batch 8, 2k-8k, float32 and int8).
+  cache-dominated regime"): on AVX-512 hosts (Intel Xeon, AMD EPYC Zen 4)
+  the kernel is the fastest layout for every kind. On an AMD EPYC with
+  AVX2 only its float32 GQA-family step (the 8-lane paths) is faster than
+  XLA's views — batch 8: GQA 1.16-1.27x the layered view, MQA 0.96-1.15x;
+  batch 1: GQA and MHA 1.41x the stacked step — but MHA's at batch 8 is
+  0.83-0.88x the layered view's, and its other kinds and MLA's latents
+  run its 16-lane code, 2-4x slower than XLA's.
   """
-  forced = os.environ.get("KVJAX_NATIVE") == "1"
-  return available() and (forced or "avx512f" in _cpu_id().split())
+  if not available():
+    return False
+  cpu = _cpu_id().split()
+  if os.environ.get("KVJAX_NATIVE") == "1" or "avx512f" in cpu:
+    return True
+  return ("avx2" in cpu and kv_dtype == "float32" and attention != "mla"
+          and (group > 1 or not many))
 
 
 def _require(name: str) -> None:

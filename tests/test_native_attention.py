@@ -115,11 +115,19 @@ def amx_runs(c, C, R) -> bool:
           native_attention.amx_fits(jnp.asarray(c).dtype, C, R))
 
 
-def portable_build(calls: dict[str, str], **operands) -> dict[str, np.ndarray]:
+# Flags of a build without VNNI, AVX-512 BF16 and AMX (the portable
+# products), and of one without AVX-512 at all (an AVX2 host's build).
+PORTABLE = ("-mno-avx512vnni -mno-avxvnni -mno-avx512bf16 -mno-amx-tile "
+            "-mno-amx-bf16 -mno-amx-int8")
+NO_AVX512 = "-mno-avx512f " + PORTABLE
+
+
+def portable_build(calls: dict[str, str], flags: str = PORTABLE,
+                   **operands) -> dict[str, np.ndarray]:
   """Each of `calls` (name: an expression over `na`, `jnp` and the arrays
-  `o[name]`) evaluated in one subprocess whose kernel is built without
-  VNNI and AVX-512 BF16 (the portable paths: $KVJAX_NATIVE_FLAGS, which
-  name a build of their own beside the default one)."""
+  `o[name]`) evaluated in one subprocess whose kernel is built with
+  `flags` ($KVJAX_NATIVE_FLAGS, which name a build of their own beside the
+  default one)."""
   with tempfile.TemporaryDirectory() as tmp:
     path = os.path.join(tmp, "ops.npz")
     np.savez(path, **{k: np.asarray(v) for k, v in operands.items()})
@@ -129,9 +137,7 @@ def portable_build(calls: dict[str, str], **operands) -> dict[str, np.ndarray]:
     for name, call in calls.items():
       out = os.path.join(tmp, name + ".npy")
       code += f"np.save({out!r}, np.asarray({call}))\n"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", KVJAX_NATIVE_FLAGS=(
-        "-mno-avx512vnni -mno-avxvnni -mno-avx512bf16 -mno-amx-tile "
-        "-mno-amx-bf16 -mno-amx-int8"))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", KVJAX_NATIVE_FLAGS=flags)
     root = os.path.join(os.path.dirname(__file__), "..")
     run = subprocess.run([sys.executable, "-c", code], cwd=root, env=env,
                          capture_output=True, text=True, check=False)
@@ -183,6 +189,36 @@ class KernelTest(parameterized.TestCase):
         np.asarray(out),
         reference(q, k64, v64, mask, 0.3, form),
         rtol=2e-5, atol=atol(form, v64))
+
+  def test_an_avx2_build_equals_the_reference(self):
+    # Without AVX-512 the float32 logits and values run on explicit 8-lane
+    # halves (GCC keeps a 64-byte vector in memory where no register is
+    # that wide); every kind, G across a register tile and past it,
+    # value channels off the 8-lane groups, a fully masked row.
+    B, K, D, E, S = 3, 2, 32, 20, 304
+    ops, want, calls = {}, {}, {}
+    for form in FORMS:
+      for G in (1, 4, 5):
+        q, k, v, ks, vs, k64, v64 = operands(form, B, K, G, D, E, S,
+                                             seed=G)
+        mask = np.random.default_rng(G).random((B, S)) < 0.7
+        mask[1] = False
+        name = f"{form}_{G}"
+        ops.update({f"{name}_{x}": y for x, y in zip(
+            ("q", "k", "v", "ks", "vs"), (q, k, v, ks, vs)) if y is not None})
+        ops[f"{name}_mask"] = mask
+        scales = ("None, None" if ks is None else
+                  f"jnp.asarray(o['{name}_ks']), jnp.asarray(o['{name}_vs'])")
+        calls[name] = (
+            f"na.decode_attend(jnp.asarray(o['{name}_q']), "
+            f"jnp.asarray(o['{name}_k']), jnp.asarray(o['{name}_v']), "
+            f"jnp.asarray(o['{name}_mask']), {D ** -0.5}, {scales})")
+        want[name] = (reference(q, k64, v64, mask, D ** -0.5, form),
+                      atol(form, v64))
+    got = portable_build(calls, flags=NO_AVX512, **ops)
+    for name, (ref, tol) in want.items():
+      np.testing.assert_allclose(got[name], ref, rtol=2e-5, atol=tol,
+                                 err_msg=name)
 
   def test_int8_rounds_only_the_query(self):
     # Over int8 keys the query is rounded as the keys are; the output stays
@@ -567,18 +603,30 @@ class NativeViewTest(parameterized.TestCase):
         self.assertNotIn("native", plan.layouts + (plan.layout,), kv)
         self.assertIn("layered", plan.layouts + (plan.layout,), kv)
 
-  def test_preferred_needs_avx512_unless_forced(self):
-    for flags_line, env, want in (("flags : avx2 avx512f", {}, True),
-                                  ("flags : avx2 fma", {}, False),
-                                  ("flags : avx2 fma", {"KVJAX_NATIVE": "1"},
-                                   True)):
+  def test_preferred_where_it_was_measured_faster(self):
+    # AVX-512: every kind. AVX2: float32 caches of the GQA family (its
+    # 8-lane paths), MHA's only below LAYERED_MIN_BATCH sequences.
+    avx512, avx2 = "flags : avx2 avx512f", "flags : avx2 fma"
+    for flags_line, env, args, want in (
+        (avx512, {}, (), True),
+        (avx512, {}, ("int8", "gqa", 4, True), True),
+        (avx512, {}, ("float32", "mla", 4, True), True),
+        (avx2, {}, ("float32", "gqa", 4, True), True),
+        (avx2, {}, ("float32", "gqa", 1, False), True),
+        (avx2, {}, ("float32", "gqa", 1, True), False),
+        (avx2, {}, ("bfloat16", "gqa", 4, False), False),
+        (avx2, {}, ("int8", "gqa", 4, True), False),
+        (avx2, {}, ("float32", "mla", 4, False), False),
+        ("flags : sse4_2", {}, ("float32", "gqa", 4, False), False),
+        (avx2, {"KVJAX_NATIVE": "1"}, ("int8", "mla", 1, True), True)):
       native_attention.preferred.cache_clear()
       with mock.patch.object(native_attention, "_cpu_id",
                              return_value=flags_line), \
            mock.patch.dict(os.environ, env), \
            mock.patch.object(native_attention, "available",
                              return_value=True):
-        self.assertEqual(native_attention.preferred(), want, flags_line)
+        self.assertEqual(native_attention.preferred(*args), want,
+                         (flags_line, env, args))
     native_attention.preferred.cache_clear()
 
   @mock.patch.object(native_attention, "preferred", return_value=True)

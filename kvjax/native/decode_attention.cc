@@ -84,7 +84,9 @@ constexpr int64_t kLanes = 16;   // slots (or value channels) per vector
 constexpr int64_t kAheadSlots = 2 * kBlock;
 // Query rows per register tile: 8 where AVX-512's 32 registers hold their
 // 2 × 8 accumulators (MQA's and MLA's G = 8 rows in one pass), else 4.
-#if defined(__AVX512F__)
+#if defined(KVJAX_ROWS)
+constexpr int kRows = KVJAX_ROWS;
+#elif defined(__AVX512F__)
 constexpr int kRows = 8;
 #else
 constexpr int kRows = 4;
@@ -270,12 +272,127 @@ struct Partial {
 // a tile's D × 16 keys are contiguous, so the loop streams them in order.
 // The GN × 16 partial sums stay in registers while the loop walks the D
 // key rows, so each key is loaded once for all rows.
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// AVX2 builds (no 64-byte registers): GCC keeps a 64-byte vector (f16v) in
+// memory where the target has no register that wide, and lowers each
+// operation through the stack (a broadcast became 16 scalar stores, every
+// multiply-add a load and a store: the float32 step ran at a third of
+// XLA's on an AMD EPYC with AVX2). The float32 logits and values below are
+// the same sums in the same order on explicit 8-lane halves, in registers.
+typedef float f8v __attribute__((vector_size(32)));
+
+inline f8v load8(const float* p) {
+  f8v r;
+  std::memcpy(&r, p, sizeof(r));
+  return r;
+}
+inline void store8(float* p, f8v x) { std::memcpy(p, &x, sizeof(x)); }
+// x in every lane (`f8v{} + x` is an add: 0 + -0 is +0).
+inline f8v bcast8(float x) { return _mm256_set1_ps(x); }
+
+// 8 logits as `finish16` leaves them (float keys: no key scales).
+inline f8v finish8(f8v a, const bool* mask, f8v& vmax) {
+  const __m256i keep = _mm256_cvtepu8_epi32(
+      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(mask)));
+  const __m256 drop = _mm256_castsi256_ps(
+      _mm256_cmpeq_epi32(keep, _mm256_setzero_si256()));
+  const __m256 r = _mm256_blendv_ps(a, _mm256_set1_ps(kLowest), drop);
+  vmax = _mm256_max_ps(vmax, r);
+  return r;
+}
+
+inline float hmax8(f8v x) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(x),
+                        _mm256_extractf128_ps(x, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+  return _mm_cvtss_f32(m);
+}
+
+// `block_logits` over float32 keys: each tile of 16 slots as two halves
+// (a: slots 0-7, c: 8-15), 2 × GN sums in registers while the D key rows
+// stream by.
+template <int GN>
+inline void block_logits_f32x8(const float* __restrict__ qs, int64_t D,
+                               const float* __restrict__ k,
+                               const bool* __restrict__ mask, int64_t b0,
+                               int64_t n, float* __restrict__ lg,
+                               float* __restrict__ bm) {
+  f8v vmax[GN];
+  for (int g = 0; g < GN; ++g) vmax[g] = f8v{} + kLowest;
+  for (int64_t j0 = 0; j0 < n; j0 += kLanes) {
+    f8v a[GN], c[GN];
+    for (int g = 0; g < GN; ++g) a[g] = c[g] = f8v{};
+    const float* kr = k + (b0 + j0) * D;
+    for (int64_t d = 0; d < D; ++d, kr += kLanes) {
+      prefetch_l2(kr + 2 * kBlock * D);
+      const f8v k0 = load8(kr), k1 = load8(kr + 8);
+      for (int g = 0; g < GN; ++g) {
+        const f8v qd = bcast8(qs[g * D + d]);
+        a[g] += qd * k0;
+        c[g] += qd * k1;
+      }
+    }
+    for (int g = 0; g < GN; ++g) {
+      store8(lg + g * kBlock + j0, finish8(a[g], mask + b0 + j0, vmax[g]));
+      store8(lg + g * kBlock + j0 + 8,
+             finish8(c[g], mask + b0 + j0 + 8, vmax[g]));
+    }
+  }
+  for (int g = 0; g < GN; ++g) bm[g] = hmax8(vmax[g]);
+}
+
+// `block_values` over float32 values [S, E], 8 channels at a time, even
+// and odd slots in separate sums as `value_channels` keeps them.
+template <int GN, bool ahead>
+inline void block_values_f32x8(const float* __restrict__ p,
+                               const float* __restrict__ vb, int64_t E,
+                               int64_t n, float* __restrict__ acc) {
+  int64_t e0 = 0;
+  for (; e0 + 8 <= E; e0 += 8) {
+    f8v a[GN], c[GN];
+    for (int g = 0; g < GN; ++g) {
+      a[g] = load8(acc + g * E + e0);
+      c[g] = f8v{};
+    }
+    const bool line = ahead && e0 % kLanes == 0;  // one prefetch a line
+    int64_t j = 0;
+    for (; j + 2 <= n; j += 2) {
+      if (line) {
+        prefetch_l2(vb + (j + 2 * kBlock) * E + e0);
+        prefetch_l2(vb + (j + 1 + 2 * kBlock) * E + e0);
+      }
+      const f8v v0 = load8(vb + j * E + e0), v1 = load8(vb + (j + 1) * E + e0);
+      for (int g = 0; g < GN; ++g) {
+        a[g] += bcast8(p[g * kBlock + j]) * v0;
+        c[g] += bcast8(p[g * kBlock + j + 1]) * v1;
+      }
+    }
+    for (; j < n; ++j) {
+      const f8v vv = load8(vb + j * E + e0);
+      for (int g = 0; g < GN; ++g) a[g] += bcast8(p[g * kBlock + j]) * vv;
+    }
+    for (int g = 0; g < GN; ++g) store8(acc + g * E + e0, a[g] + c[g]);
+  }
+  for (; e0 < E; ++e0)  // channels past the last multiple of 8
+    for (int g = 0; g < GN; ++g)
+      for (int64_t j = 0; j < n; ++j)
+        acc[g * E + e0] += p[g * kBlock + j] * vb[j * E + e0];
+}
+#endif
+
 template <int GN, typename KT>
 inline void block_logits(const float* __restrict__ qs, int64_t D,
                          const KT* __restrict__ k,
                          const float* __restrict__ k_scale,
                          const bool* __restrict__ mask, int64_t b0, int64_t n,
                          float* __restrict__ lg, float* __restrict__ bm) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  if constexpr (std::is_same_v<KT, float>) {
+    if (k_scale == nullptr)
+      return block_logits_f32x8<GN>(qs, D, k, mask, b0, n, lg, bm);
+  }
+#endif
   f16v vmax[GN];
   for (int g = 0; g < GN; ++g) vmax[g] = f16v{} + kLowest;
   const float* ks = k_scale != nullptr ? k_scale + b0 : nullptr;
@@ -1220,6 +1337,10 @@ inline void block_values(const float* __restrict__ p,
                          const VT* __restrict__ v, int64_t E, int64_t b0,
                          int64_t n, float* __restrict__ acc) {
   const VT* vb = v + b0 * E;
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  if constexpr (std::is_same_v<VT, float>)
+    return block_values_f32x8<GN, ahead>(p, vb, E, n, acc);
+#endif
   int64_t e0 = 0;
   for (; e0 + kLanes <= E; e0 += kLanes)
     value_channels<GN, 1>(
