@@ -600,6 +600,13 @@ class ConfigTest(parameterized.TestCase):
     # The needle part trains on its answers only (with the filler's loss
     # as well it did not learn: configs/tasks.py).
     self.assertFalse(cfg.alternate_2.prompt_loss)
+    # Its passkey part takes the filler's loss too, except MLA's (whose
+    # passkey the needle's answer-only rows took over: configs/tasks.py).
+    self.assertTrue(cfg.tasks.prompt_loss)
+    mla = task_configs.get_config("mla-passkey_mqar_niah")
+    self.assertFalse(mla.tasks.prompt_loss)
+    self.assertFalse(mla.alternate_2.prompt_loss)
+    self.assertTrue(task_configs.get_config("mla-passkey").tasks.prompt_loss)
     self.assertEqual(tasks.alternate_sections(
         task_configs.get_config("gqa-passkey")), [])
 
@@ -959,7 +966,7 @@ class TrainTest(absltest.TestCase):
 
 
 # The variants whose passkey_mqar_niah model is shipped.
-SHIPPED_NIAH = ("gqa", "mha", "mqa")
+SHIPPED_NIAH = ("gqa", "mha", "mqa", "mla")
 
 
 def _shipped(variant, recipe):
