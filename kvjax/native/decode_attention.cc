@@ -342,42 +342,177 @@ inline void block_logits_f32x8(const float* __restrict__ qs, int64_t D,
   for (int g = 0; g < GN; ++g) bm[g] = hmax8(vmax[g]);
 }
 
-// `block_values` over float32 values [S, E], 8 channels at a time, even
-// and odd slots in separate sums as `value_channels` keeps them.
-template <int GN, bool ahead>
-inline void block_values_f32x8(const float* __restrict__ p,
-                               const float* __restrict__ vb, int64_t E,
-                               int64_t n, float* __restrict__ acc) {
-  int64_t e0 = 0;
-  for (; e0 + 8 <= E; e0 += 8) {
-    f8v a[GN], c[GN];
-    for (int g = 0; g < GN; ++g) {
-      a[g] = load8(acc + g * E + e0);
-      c[g] = f8v{};
+// 8 logits times their keys' scales (int8, int4 codes), then as `finish8`.
+inline f8v finish8(f8v a, const float* k_scale, const bool* mask,
+                   f8v& vmax) {
+  return finish8(a * load8(k_scale), mask, vmax);
+}
+
+inline float hsum8(f8v x) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x),
+                        _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+
+// `exp_nonpositive` on 8 lanes (GCC left the 16-lane loop over it scalar
+// on AVX2: a third of the float32 step's instructions).
+inline f8v exp8(f8v x) {
+  const f8v xc = _mm256_max_ps(x, bcast8(-87.0f));
+  const f8v n = _mm256_round_ps(xc * 1.44269504088896341f,
+                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  f8v r = xc - n * 0.693359375f;
+  r -= n * -2.12194440e-4f;
+  f8v p = bcast8(1.0f / 720);
+  p = p * r + 1.0f / 120;
+  p = p * r + 1.0f / 24;
+  p = p * r + 1.0f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const __m256i bits = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const f8v y = p * _mm256_castsi256_ps(bits);
+  return _mm256_blendv_ps(y, _mm256_setzero_ps(),
+                          _mm256_cmp_ps(x, bcast8(-87.0f), _CMP_LT_OQ));
+}
+
+// `softmax_block` on 8 lanes (its 16-lane sums went through memory).
+template <int GN>
+inline void softmax_block8(float* __restrict__ lg, const float* bm,
+                           int64_t n, const float* __restrict__ vs,
+                           int64_t E, float* __restrict__ m,
+                           float* __restrict__ l, float* __restrict__ acc) {
+  for (int g = 0; g < GN; ++g) {
+    float* row = lg + g * kBlock;
+    const float m_new = std::max(m[g], bm[g]);
+    const float corr = std::exp(m[g] - m_new);
+    if (corr != 1.0f) {
+      l[g] *= corr;
+      for (int64_t e = 0; e < E; ++e) acc[g * E + e] *= corr;
     }
-    const bool line = ahead && e0 % kLanes == 0;  // one prefetch a line
-    int64_t j = 0;
-    for (; j + 2 <= n; j += 2) {
-      if (line) {
-        prefetch_l2(vb + (j + 2 * kBlock) * E + e0);
-        prefetch_l2(vb + (j + 1 + 2 * kBlock) * E + e0);
-      }
-      const f8v v0 = load8(vb + j * E + e0), v1 = load8(vb + (j + 1) * E + e0);
+    const f8v mv = bcast8(m_new);
+    f8v sums = {};
+    float tail = 0.0f;
+    int64_t j0 = 0;
+    for (; j0 + 8 <= n; j0 += 8) {
+      const f8v p = exp8(load8(row + j0) - mv);
+      sums += p;
+      store8(row + j0, vs != nullptr ? p * load8(vs + j0) : p);
+    }
+    for (; j0 < n; ++j0) {  // MLA's slots past the last 8
+      const float p = exp_nonpositive(row[j0] - m_new);
+      tail += p;
+      row[j0] = vs != nullptr ? p * vs[j0] : p;
+    }
+    l[g] += hsum8(sums) + tail;
+    m[g] = m_new;
+  }
+}
+
+// Prefetches the lines of `bytes` bytes from p into L2.
+inline void prefetch_span(const void* p, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64)
+    prefetch_l2(static_cast<const char*>(p) + o);
+}
+
+// acc[g][e] += sum_j p[g][j] · v_j[e] over a block's n slots for channels
+// [e_begin, e_end), slot by slot: row(j, e) gives slot j's channels
+// e .. e + 7 as floats, one(j, e) channel e alone (the channels past the
+// last 8), fetch(j, e, c) prefetches what slot j two blocks ahead holds of
+// channels e .. e + c. Each slot's G weights are broadcast once for up to
+// 32 channels (the channel-outer loop broadcast them once per 8, and the
+// broadcasts outnumbered the multiply-adds); up to 8 sums in registers,
+// split into even and odd slots' sums where fewer rows leave them fewer
+// than 8 (the multiply-add latency). A channel's sum is the same in every
+// grouping of the channels (int4 halves give int8's bits).
+template <int GN, typename Row, typename One, typename Fetch>
+inline void value_channels8(const float* __restrict__ p, const Row& row,
+                            const One& one, const Fetch& fetch, int64_t n,
+                            float* __restrict__ acc, int64_t E,
+                            int64_t e_begin, int64_t e_end) {
+  constexpr bool split = GN <= 2;
+  constexpr int kW = GN == 1 ? 4 : 2;  // 8-channel groups per pass
+  int64_t e0 = e_begin;
+  auto pass = [&](auto width) {
+    constexpr int W = decltype(width)::value;
+    f8v a[W][GN], c[W][GN];
+    for (int w = 0; w < W; ++w)
       for (int g = 0; g < GN; ++g) {
-        a[g] += bcast8(p[g * kBlock + j]) * v0;
-        c[g] += bcast8(p[g * kBlock + j + 1]) * v1;
+        a[w][g] = load8(acc + g * E + e0 + 8 * w);
+        c[w][g] = f8v{};
+      }
+    int64_t j = 0;
+    if constexpr (split) {
+      for (; j + 2 <= n; j += 2) {
+        fetch(j, e0, 8 * W);
+        fetch(j + 1, e0, 8 * W);
+        f8v v0[W], v1[W];
+        for (int w = 0; w < W; ++w) {
+          v0[w] = row(j, e0 + 8 * w);
+          v1[w] = row(j + 1, e0 + 8 * w);
+        }
+        for (int g = 0; g < GN; ++g) {
+          const f8v p0 = bcast8(p[g * kBlock + j]);
+          const f8v p1 = bcast8(p[g * kBlock + j + 1]);
+          for (int w = 0; w < W; ++w) {
+            a[w][g] += p0 * v0[w];
+            c[w][g] += p1 * v1[w];
+          }
+        }
       }
     }
     for (; j < n; ++j) {
-      const f8v vv = load8(vb + j * E + e0);
-      for (int g = 0; g < GN; ++g) a[g] += bcast8(p[g * kBlock + j]) * vv;
+      fetch(j, e0, 8 * W);
+      f8v v0[W];
+      for (int w = 0; w < W; ++w) v0[w] = row(j, e0 + 8 * w);
+      for (int g = 0; g < GN; ++g) {
+        const f8v p0 = bcast8(p[g * kBlock + j]);
+        for (int w = 0; w < W; ++w) a[w][g] += p0 * v0[w];
+      }
     }
-    for (int g = 0; g < GN; ++g) store8(acc + g * E + e0, a[g] + c[g]);
-  }
-  for (; e0 < E; ++e0)  // channels past the last multiple of 8
+    for (int w = 0; w < W; ++w)
+      for (int g = 0; g < GN; ++g)
+        store8(acc + g * E + e0 + 8 * w, a[w][g] + c[w][g]);
+  };
+  for (; e0 + 8 * kW <= e_end; e0 += 8 * kW)
+    pass(std::integral_constant<int, kW>());
+  for (; e0 + 8 <= e_end; e0 += 8) pass(std::integral_constant<int, 1>());
+  for (; e0 < e_end; ++e0)
     for (int g = 0; g < GN; ++g)
       for (int64_t j = 0; j < n; ++j)
-        acc[g * E + e0] += p[g * kBlock + j] * vb[j * E + e0];
+        acc[g * E + e0] += p[g * kBlock + j] * one(j, e0);
+}
+
+// Eight values as floats: float32, bfloat16 bits, int8 codes.
+inline f8v load8v(const float* p) { return load8(p); }
+inline f8v load8v(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(
+      _mm256_cvtepu16_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+      16));
+}
+inline f8v load8v(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// `block_values` on 8 lanes over values [S, E] of float32, bfloat16 bits
+// or int8 codes, rows from vb.
+template <int GN, bool ahead, typename VT>
+inline void block_values8(const float* __restrict__ p,
+                          const VT* __restrict__ vb, int64_t E, int64_t n,
+                          float* __restrict__ acc) {
+  value_channels8<GN>(
+      p, [&](int64_t j, int64_t e) { return load8v(vb + j * E + e); },
+      [&](int64_t j, int64_t e) { return load1(vb[j * E + e]); },
+      [&](int64_t j, int64_t e, int64_t c) {
+        if (ahead)
+          prefetch_span(vb + (j + 2 * kBlock) * E + e,
+                        c * static_cast<int64_t>(sizeof(VT)));
+      },
+      n, acc, E, 0, E);
 }
 #endif
 
@@ -649,6 +784,49 @@ inline void block_logits_pairs(const uint32_t* __restrict__ qw,
                                int64_t n, float* __restrict__ lg,
                                float* __restrict__ bm, bool dot) {
   const int64_t D2 = D / 2;
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  // 8 lanes: each tile's 16 slots as two halves (a: slots 0-7, c: 8-15),
+  // each pair word widened to its even and odd channel in registers.
+  (void)qw;
+  (void)dot;
+  {
+    f8v vmax[GN];
+    for (int g = 0; g < GN; ++g) vmax[g] = bcast8(kLowest);
+    const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+    auto widen = [&](const uint16_t* r, f8v& even, f8v& odd) {
+      const __m256i w =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r));
+      even = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+      odd = _mm256_castsi256_ps(_mm256_and_si256(w, high));
+    };
+    for (int64_t j0 = 0; j0 < n; j0 += kLanes) {
+      f8v a[GN], c[GN];
+      for (int g = 0; g < GN; ++g) a[g] = c[g] = f8v{};
+      const uint16_t* kr = k + (b0 + j0) * D;
+      for (int64_t d2 = 0; d2 < D2; ++d2, kr += 2 * kLanes) {
+        prefetch_l2(kr + 2 * kBlock * D);
+        f8v e0, o0, e1, o1;
+        widen(kr, e0, o0);
+        widen(kr + kLanes, e1, o1);
+        for (int g = 0; g < GN; ++g) {
+          const f8v qo = bcast8(qf[g * D + 2 * d2 + 1]);
+          const f8v qe = bcast8(qf[g * D + 2 * d2]);
+          a[g] += qo * o0;
+          a[g] += qe * e0;
+          c[g] += qo * o1;
+          c[g] += qe * e1;
+        }
+      }
+      for (int g = 0; g < GN; ++g) {
+        store8(lg + g * kBlock + j0, finish8(a[g], mask + b0 + j0, vmax[g]));
+        store8(lg + g * kBlock + j0 + 8,
+               finish8(c[g], mask + b0 + j0 + 8, vmax[g]));
+      }
+    }
+    for (int g = 0; g < GN; ++g) bm[g] = hmax8(vmax[g]);
+    return;
+  }
+#endif
   f16v vmax[GN];
   for (int g = 0; g < GN; ++g) vmax[g] = f16v{} + kLowest;
   auto finish = [&](int g, f16v sum, int64_t j) {
@@ -757,6 +935,25 @@ inline void block_values_pairs(const float* __restrict__ p,
                                int64_t b0, int64_t n,
                                float* __restrict__ acc, bool dot) {
   const uint16_t* vb = v + b0 * E;
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  // 8 lanes: the probabilities rounded to bfloat16 as `bf16_bits` rounds,
+  // then `block_values8`'s sums over the widened rows.
+  (void)dot;
+  alignas(32) float pr[GN * kBlock];
+  const __m256i half = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1);
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int g = 0; g < GN; ++g)
+    for (int64_t j = 0; j < n; j += 8) {
+      const __m256i u = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(p + g * kBlock + j));
+      const __m256i r = _mm256_add_epi32(
+          _mm256_add_epi32(u, half),
+          _mm256_and_si256(_mm256_srli_epi32(u, 16), one));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + g * kBlock + j),
+                          _mm256_and_si256(r, high));
+    }
+  return block_values8<GN, true>(pr, vb, E, n, acc);
+#endif
   auto rounded = [](const float* x) {
     u32x16 u;
     std::memcpy(&u, x, sizeof(u));
@@ -921,6 +1118,77 @@ inline void block_logits_codes(const QuadQuery& q, int64_t D,
   const int64_t D4 = D / 4;
   const int64_t row = nibbles ? D / 2 : D;  // bytes a slot's key takes
   const int64_t units = row / 4;  // 64-byte runs of a tile's keys
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  // 8 lanes, integer products (AVX2 has no VNNI): vpmaddubsw multiplies
+  // unsigned by signed bytes, so the query's codes go in as |q| and the
+  // keys' as k · sign(q) (vpsignb), the same products q · k; each adjacent
+  // pair's sum fits int16 (|k|, |q| <= 127: `quant.quantize`'s codes, so
+  // 2 · 127² < 2^15), and vpmaddwd adds the pairs into a lane's int32 sum
+  // of four channels. Exact, as the other paths.
+  {
+    f8v vmax[GN];
+    for (int g = 0; g < GN; ++g) vmax[g] = bcast8(kLowest);
+    const float* ks8 = k_scale + b0;
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i low = _mm256_set1_epi8(0x0F), eight = _mm256_set1_epi8(8);
+    // 32 bytes of a run (8 slots' quads) as signed codes: int8 as stored,
+    // int4 a quad of low nibbles (lo) and one of high ones (hi).
+    auto unpack = [&](const T* p, __m256i& lo, __m256i& hi) {
+      const __m256i y =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+      if constexpr (nibbles) {
+        lo = _mm256_sub_epi8(_mm256_xor_si256(_mm256_and_si256(y, low), eight),
+                             eight);
+        hi = _mm256_sub_epi8(
+            _mm256_xor_si256(_mm256_and_si256(_mm256_srli_epi16(y, 4), low),
+                             eight),
+            eight);
+      } else {
+        lo = hi = y;
+      }
+    };
+    auto dot = [&](__m256i acc, __m256i keys, __m256i qv, __m256i qa) {
+      return _mm256_add_epi32(
+          acc, _mm256_madd_epi16(
+                   _mm256_maddubs_epi16(qa, _mm256_sign_epi8(keys, qv)),
+                   ones));
+    };
+    for (int64_t j0 = 0; j0 < n; j0 += kLanes) {
+      __m256i a[GN], c[GN];
+      for (int g = 0; g < GN; ++g) a[g] = c[g] = _mm256_setzero_si256();
+      const T* kr = k + (b0 + j0) * row;
+      for (int64_t u = 0; u < units; ++u, kr += 4 * kLanes) {
+        prefetch_l2(kr + 2 * kBlock * row);
+        __m256i l0, h0, l1, h1;
+        unpack(kr, l0, h0);
+        unpack(kr + 2 * kLanes, l1, h1);
+        for (int g = 0; g < GN; ++g) {
+          const __m256i qv = _mm256_set1_epi32(q.words[g * D4 + u]);
+          const __m256i qa = _mm256_abs_epi8(qv);
+          a[g] = dot(a[g], l0, qv, qa);
+          c[g] = dot(c[g], l1, qv, qa);
+          if constexpr (nibbles) {
+            const __m256i hv = _mm256_set1_epi32(q.words[g * D4 + units + u]);
+            const __m256i ha = _mm256_abs_epi8(hv);
+            a[g] = dot(a[g], h0, hv, ha);
+            c[g] = dot(c[g], h1, hv, ha);
+          }
+        }
+      }
+      for (int g = 0; g < GN; ++g) {
+        const f8v s = bcast8(q.scale[g]);
+        store8(lg + g * kBlock + j0,
+               finish8(_mm256_cvtepi32_ps(a[g]) * s, ks8 + j0,
+                       mask + b0 + j0, vmax[g]));
+        store8(lg + g * kBlock + j0 + 8,
+               finish8(_mm256_cvtepi32_ps(c[g]) * s, ks8 + j0 + 8,
+                       mask + b0 + j0 + 8, vmax[g]));
+      }
+    }
+    for (int g = 0; g < GN; ++g) bm[g] = hmax8(vmax[g]);
+    return;
+  }
+#endif
   f16v vmax[GN];
   for (int g = 0; g < GN; ++g) vmax[g] = f16v{} + kLowest;
   const float* ks = k_scale + b0;
@@ -1338,8 +1606,7 @@ inline void block_values(const float* __restrict__ p,
                          int64_t n, float* __restrict__ acc) {
   const VT* vb = v + b0 * E;
 #if defined(__AVX2__) && !defined(__AVX512F__)
-  if constexpr (std::is_same_v<VT, float>)
-    return block_values_f32x8<GN, ahead>(p, vb, E, n, acc);
+  return block_values8<GN, ahead>(p, vb, E, n, acc);
 #endif
   int64_t e0 = 0;
   for (; e0 + kLanes <= E; e0 += kLanes)
@@ -1369,6 +1636,33 @@ inline void block_values_nibbles(const float* __restrict__ p,
                                  float* __restrict__ acc) {
   const int64_t E2 = E / 2;
   const uint8_t* vb = v + b0 * E2;
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  // 8 lanes: each half of the channels (low nibbles, then high ones) as
+  // `value_channels8` takes int8's.
+  auto half = [&](auto high_tag) {
+    constexpr bool high = decltype(high_tag)::value;
+    const int64_t off = high ? E2 : 0;  // channel e is byte e - off
+    value_channels8<GN>(
+        p,
+        [&](int64_t j, int64_t e) {
+          const __m256i x = _mm256_cvtepi8_epi32(_mm_loadl_epi64(
+              reinterpret_cast<const __m128i*>(vb + j * E2 + e - off)));
+          return _mm256_cvtepi32_ps(
+              high ? _mm256_srai_epi32(x, 4)
+                   : _mm256_srai_epi32(_mm256_slli_epi32(x, 28), 28));
+        },
+        [&](int64_t j, int64_t e) {
+          return load1_nibble(vb[j * E2 + e - off], high);
+        },
+        [&](int64_t j, int64_t e, int64_t c) {  // the high half re-reads
+          if (!high) prefetch_span(vb + (j + 2 * kBlock) * E2 + e, c);
+        },
+        n, acc, E, off, off + E2);
+  };
+  half(std::false_type());
+  half(std::true_type());
+  return;
+#endif
   auto fetch_at = [&](int64_t i0) {
     return [vb, E2, i0](int64_t j) {
       prefetch_l2(vb + (j + 2 * kBlock) * E2 + i0);
@@ -1421,6 +1715,9 @@ inline void softmax_block(float* __restrict__ lg, const float* bm, int64_t n,
                           const float* __restrict__ vs, int64_t E,
                           float* __restrict__ m, float* __restrict__ l,
                           float* __restrict__ acc) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  return softmax_block8<GN>(lg, bm, n, vs, E, m, l, acc);
+#endif
   for (int g = 0; g < GN; ++g) {
     float* row = lg + g * kBlock;
     const float m_new = std::max(m[g], bm[g]);
