@@ -1392,6 +1392,65 @@ inline void slot_group_logits(const float* __restrict__ qa, int64_t A,
   tails(qb, R, bj, split ? rr : rc);
 }
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// Lane sums of 8 vectors at once: r[k] = sum of v[k]'s lanes (vhaddps
+// pairs within 128-bit halves, then the halves added).
+inline f8v lane_sums8(const f8v* v) {
+  const __m256 ab = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]),
+                                   _mm256_hadd_ps(v[2], v[3]));
+  const __m256 cd = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]),
+                                   _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20),
+                       _mm256_permute2f128_ps(ab, cd, 0x31));
+}
+
+// `slot_group_logits` on 8 lanes: P = 8 / GN slots, their P × GN dot
+// products in 8 accumulators reduced together (`lane_sums8`); lane
+// p · GN + g of the result is slot j0 + p's logit for row g.
+template <int GN, typename T, bool split>
+inline void slot_group_logits8(const float* __restrict__ qa, int64_t A,
+                               const float* __restrict__ qb, int64_t R,
+                               const T* __restrict__ a,
+                               const T* __restrict__ b, int64_t j0, f8v& rc,
+                               f8v& rr) {
+  constexpr int P = 8 / GN;
+  f8v acc[8];
+  for (int i = 0; i < 8; ++i) acc[i] = f8v{};
+  auto dots = [&](const float* q, int64_t W, const T* rows) {
+    for (int64_t e = 0; e + 8 <= W; e += 8) {
+      f8v kv[P];
+      for (int p = 0; p < P; ++p) kv[p] = load8v(rows + p * W + e);
+      for (int g = 0; g < GN; ++g) {
+        const f8v qv = load8(q + g * W + e);
+        for (int p = 0; p < P; ++p) acc[p * GN + g] += qv * kv[p];
+      }
+    }
+  };
+  auto tails = [&](const float* q, int64_t W, const T* rows, f8v& tail) {
+    for (int64_t e = W / 8 * 8; e < W; ++e)
+      for (int p = 0; p < P; ++p)
+        for (int g = 0; g < GN; ++g)
+          tail[p * GN + g] += q[g * W + e] * load1(rows[p * W + e]);
+  };
+  const T* aj = a + j0 * A;
+  const T* bj = b + j0 * R;
+  dots(qa, A, aj);
+  if (split) {
+    rc = lane_sums8(acc);
+    for (int i = 0; i < 8; ++i) acc[i] = f8v{};
+  }
+  dots(qb, R, bj);
+  if (split) {
+    rr = lane_sums8(acc);
+  } else {
+    rc = lane_sums8(acc);
+    rr = f8v{};
+  }
+  tails(qa, A, aj, rc);
+  tails(qb, R, bj, split ? rr : rc);
+}
+#endif
+
 #if defined(__AVX512VNNI__)
 // `slot_group_logits` over int8 rows for a rounded query (`LatentQuery`):
 // VNNI dots, 64 channels of a row an instruction (masked loads for the
@@ -1502,7 +1561,23 @@ inline void block_logits_rows(const float* __restrict__ qa, int64_t A,
                               const bool* __restrict__ mask, int64_t b0,
                               int64_t n, float* __restrict__ lg,
                               float* __restrict__ bm) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  using lanes = f8v;  // 8-lane groups (`slot_group_logits8`)
+  constexpr int P = 8 / GN;
+  auto group = [&](auto split, const float* x, const float* y, int64_t s,
+                   lanes& rc, lanes& rr) {
+    slot_group_logits8<GN, T, decltype(split)::value>(x, A, y, R, a, b, s, rc,
+                                                      rr);
+  };
+#else
+  using lanes = f16v;
   constexpr int P = 16 / GN;
+  auto group = [&](auto split, const float* x, const float* y, int64_t s,
+                   lanes& rc, lanes& rr) {
+    slot_group_logits<GN, T, decltype(split)::value>(x, A, y, R, a, b, s, rc,
+                                                     rr);
+  };
+#endif
   constexpr int64_t kLine = 64 / sizeof(T);  // elements per cache line
   for (int g = 0; g < GN; ++g) bm[g] = kLowest;
   int64_t j = 0;
@@ -1515,18 +1590,16 @@ inline void block_logits_rows(const float* __restrict__ qa, int64_t A,
       for (int64_t e = 0; e < A; e += kLine) prefetch_l2(ahead_a + e);
       prefetch_l2(b + (b0 + j + p + kAheadSlots) * R);
     }
-    f16v rc, rr;
+    lanes rc, rr;
     if (cs != nullptr) {  // int8 codes: each part times its slot's scale
 #if defined(__AVX512VNNI__)
       if constexpr (std::is_same_v<T, int8_t>) {
         slot_group_logits_vnni<GN>(lq, A, R, a, b, b0 + j, rc, rr);
       } else {
-        slot_group_logits<GN, T, true>(lq.fa, A, lq.fb, R, a, b, b0 + j, rc,
-                                       rr);
+        group(std::true_type(), lq.fa, lq.fb, b0 + j, rc, rr);
       }
 #else
-      slot_group_logits<GN, T, true>(lq.fa, A, lq.fb, R, a, b, b0 + j, rc,
-                                     rr);
+      group(std::true_type(), lq.fa, lq.fb, b0 + j, rc, rr);
 #endif
       for (int p = 0; p < P; ++p)
         for (int g = 0; g < GN; ++g) {
@@ -1539,7 +1612,7 @@ inline void block_logits_rows(const float* __restrict__ qa, int64_t A,
           bm[g] = std::max(bm[g], x);
         }
     } else {
-      slot_group_logits<GN, T, false>(qa, A, qb, R, a, b, b0 + j, rc, rr);
+      group(std::false_type(), qa, qb, b0 + j, rc, rr);
       for (int p = 0; p < P; ++p)
         for (int g = 0; g < GN; ++g) {
           const float x = mask[b0 + j + p] ? rc[p * GN + g] : kLowest;
