@@ -1449,6 +1449,60 @@ inline void slot_group_logits8(const float* __restrict__ qa, int64_t A,
   tails(qa, A, aj, rc);
   tails(qb, R, bj, split ? rr : rc);
 }
+
+// `slot_group_logits8` over int8 rows for a rounded query (`LatentQuery`):
+// integer products as `block_logits_codes`' AVX2 path takes them (|q| and
+// k · sign(q) into vpmaddubsw, pairs into int32 by vpmaddwd), 32 channels
+// an instruction; lanes p · GN + g of rc / rr the exact integer sums.
+template <int GN>
+inline void slot_group_logits_i8x8(const LatentQuery& q, int64_t A,
+                                   int64_t R, const int8_t* __restrict__ a,
+                                   const int8_t* __restrict__ b, int64_t j0,
+                                   f8v& rc, f8v& rr) {
+  constexpr int P = 8 / GN;
+  const __m256i ones = _mm256_set1_epi16(1);
+  auto dots = [&](const int8_t* qc, int64_t W, const int8_t* rows) {
+    __m256i acc[8];
+    for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_si256();
+    auto chunk = [&](int64_t e, auto load) {
+      __m256i kv[P];
+      for (int p = 0; p < P; ++p) kv[p] = load(rows + p * W + e);
+      for (int g = 0; g < GN; ++g) {
+        const __m256i qv = load(qc + g * W + e);
+        const __m256i qa = _mm256_abs_epi8(qv);
+        for (int p = 0; p < P; ++p)
+          acc[p * GN + g] = _mm256_add_epi32(
+              acc[p * GN + g],
+              _mm256_madd_epi16(
+                  _mm256_maddubs_epi16(qa, _mm256_sign_epi8(kv[p], qv)),
+                  ones));
+      }
+    };
+    int64_t e = 0;
+    for (; e + 32 <= W; e += 32)
+      chunk(e, [](const int8_t* x) {
+        return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+      });
+    if (e + 16 <= W) {  // 16 channels in the low half, zeros above
+      chunk(e, [](const int8_t* x) {
+        return _mm256_zextsi128_si256(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+      });
+      e += 16;
+    }
+    f8v f[8];
+    for (int i = 0; i < 8; ++i) f[i] = _mm256_cvtepi32_ps(acc[i]);
+    f8v r = lane_sums8(f);
+    for (; e < W; ++e)  // channels past the last 16
+      for (int p = 0; p < P; ++p)
+        for (int g = 0; g < GN; ++g)
+          r[p * GN + g] += static_cast<float>(qc[g * W + e]) *
+                           static_cast<float>(rows[p * W + e]);
+    return r;
+  };
+  rc = dots(q.ca, A, a + j0 * A);
+  rr = dots(q.cb, R, b + j0 * R);
+}
 #endif
 
 #if defined(__AVX512VNNI__)
@@ -1595,6 +1649,12 @@ inline void block_logits_rows(const float* __restrict__ qa, int64_t A,
 #if defined(__AVX512VNNI__)
       if constexpr (std::is_same_v<T, int8_t>) {
         slot_group_logits_vnni<GN>(lq, A, R, a, b, b0 + j, rc, rr);
+      } else {
+        group(std::true_type(), lq.fa, lq.fb, b0 + j, rc, rr);
+      }
+#elif defined(__AVX2__) && !defined(__AVX512F__)
+      if constexpr (std::is_same_v<T, int8_t>) {
+        slot_group_logits_i8x8<GN>(lq, A, R, a, b, b0 + j, rc, rr);
       } else {
         group(std::true_type(), lq.fa, lq.fb, b0 + j, rc, rr);
       }
