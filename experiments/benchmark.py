@@ -513,7 +513,7 @@ def run_sweep():
              steps=_SWEEP_STEPS.value, rows=[], machine=bm.machine_info())
   configs = [(label, c) for label, c in _variant_rows()
              if not label.endswith("naive")]
-  if native_attention.preferred("bfloat16"):  # its bfloat16 product form
+  if native_attention.preferred():  # its bfloat16 product form
     out["bf16_products"] = times = native_attention.bf16_product_times()
     print("native kernel, bfloat16 products per 16 lanes: vdpbf16ps %.3f ns,"
           " multiply-adds %.3f ns -> %s" % (

@@ -167,10 +167,8 @@ def plan(params, config: ModelConfig, policy: cache_lib.CachePolicy,
   path); 'native' what the CPU kernel reads (`native_layered.NATIVE_DTYPES`,
   MLA's `native_latent.NATIVE_LATENT_DTYPES`) where it built. 'auto'
   (CPU params, where they were measured): 'native' where
-  `native_attention.preferred` (built; on an AVX-512 host every kind, on
-  an AVX2 one float32 GQA-family caches but MHA's from LAYERED_MIN_BATCH
-  sequences on; WORKSPACE.md "Quantized caches, and the cache-dominated
-  regime");
+  `native_attention.preferred` (built, on an AVX-512 or AVX2 host: every
+  kind; WORKSPACE.md "Quantized caches, and the cache-dominated regime");
   else 'layered' for int8 / int4 caches at every batch (MLA's latents
   too); for the GQA family's float caches from LAYERED_MIN_BATCH sequences
   on, 'layered' in segments attending LAYERED_MIN_SLOTS slots or more;
@@ -200,11 +198,8 @@ def plan(params, config: ModelConfig, policy: cache_lib.CachePolicy,
     return Plan(schedule, decode_layout)
   if platform(params) != "cpu":
     return Plan(schedule)
-  if native_attention.preferred(
-      policy.kv_dtype, config.attention,
-      config.num_heads // config.num_kv_heads,
-      batch >= LAYERED_MIN_BATCH) and not _why_not(
-          "native", schedule, params, config, policy):
+  if native_attention.preferred() and not _why_not(
+      "native", schedule, params, config, policy):
     return Plan(schedule, "native")
   if _why_not("layered", schedule, params, config, policy):
     return Plan(schedule)

@@ -556,8 +556,7 @@ def generate(params, config: ModelConfig, tokens, max_new_tokens: int, *,
       latents.
       While a segment runs its copy is held beside the cache (up to one
       cache of temporaries). 'auto' (default), with params on CPU (where
-      it was measured): 'native' on AVX-512 hosts, and on AVX2 ones for
-      float32 GQA-family caches but MHA's at batch >= `LAYERED_MIN_BATCH`
+      it was measured): 'native' on AVX-512 and AVX2 hosts
       (`native_attention.preferred`); else 'layered' for int8 /
       int4 caches (MLA's latents too); for the GQA family's float caches at
       batch >= `LAYERED_MIN_BATCH` (4), 'layered' in segments attending

@@ -291,29 +291,23 @@ def amx_fits(dtype, C: int, R: int) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def preferred(kv_dtype: str = "float32", attention: str = "gqa",
-              group: int = 1, many: bool = False) -> bool:
-  """Whether 'auto' decode takes the kernel for a cache of `kv_dtype`
-  under `attention` with `group` query heads per kv head (G), `many`
-  sequences or not (`decode.LAYERED_MIN_BATCH` or more); where it is
-  available. `KVJAX_NATIVE=1` takes it wherever it builds.
+def preferred() -> bool:
+  """Whether 'auto' decode takes the kernel (where it is available): on
+  hosts with AVX-512 or AVX2; `KVJAX_NATIVE=1` takes it wherever it builds.
 
   Chosen by measurement (WORKSPACE.md "Quantized caches, and the
   cache-dominated regime"): on AVX-512 hosts (Intel Xeon, AMD EPYC Zen 4)
-  the kernel is the fastest layout for every kind. On an AMD EPYC with
-  AVX2 only its float32 GQA-family step (the 8-lane paths) is faster than
-  XLA's views — batch 8: GQA 1.16-1.27x the layered view, MQA 0.96-1.15x;
-  batch 1: GQA and MHA 1.41x the stacked step — but MHA's at batch 8 is
-  0.83-0.88x the layered view's, and its other kinds and MLA's latents
-  run its 16-lane code, 2-4x slower than XLA's.
+  and on an AMD EPYC with AVX2 only (its 8-lane paths) the kernel is the
+  fastest layout for every kind and variant at batch 1 and 8; on the AVX2
+  host at batch 8, 8k-16k: GQA 1.5-1.9x XLA's best view (float32), MQA
+  1.9-2.0x, MLA 2.9-3.0x, MHA's float32 level with the layered view
+  (0.97-1.04x), its quantized caches 2.2-4.3x.
   """
   if not available():
     return False
   cpu = _cpu_id().split()
-  if os.environ.get("KVJAX_NATIVE") == "1" or "avx512f" in cpu:
-    return True
-  return ("avx2" in cpu and kv_dtype == "float32" and attention != "mla"
-          and (group > 1 or not many))
+  return (os.environ.get("KVJAX_NATIVE") == "1" or "avx512f" in cpu or
+          "avx2" in cpu)
 
 
 def _require(name: str) -> None:
