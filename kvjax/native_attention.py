@@ -299,9 +299,9 @@ def preferred() -> bool:
   cache-dominated regime"): on AVX-512 hosts (Intel Xeon, AMD EPYC Zen 4)
   and on an AMD EPYC with AVX2 only (its 8-lane paths) the kernel is the
   fastest layout for every kind and variant at batch 1 and 8; on the AVX2
-  host at batch 8, 8k-16k: GQA 1.5-1.9x XLA's best view (float32), MQA
-  1.9-2.0x, MLA 2.9-3.0x, MHA's float32 level with the layered view
-  (0.97-1.04x), its quantized caches 2.2-4.3x.
+  host at batch 8, 2k-16k, float32: GQA 1.5-1.9x XLA's best view, MQA
+  1.6-2.0x, MLA 2.2-3.0x, MHA level with the layered view (0.97-1.04x);
+  the quantized kinds 1.3-4.3x.
   """
   if not available():
     return False

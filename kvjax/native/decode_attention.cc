@@ -50,6 +50,9 @@
 // taken together (`lane_sums16`); where the host has AMX (Intel Xeon from
 // Sapphire Rapids) its bfloat16 and int8 latents' logits are tile products
 // instead, 16 slots × up to 8 query rows a tile (`latent_tile_amx`).
+// Built without AVX-512 (AVX2 hosts) the loops run on 8 lanes, 4 query rows
+// a tile; int8 and int4 codes in contract are `quant.quantize`'s, |code| <=
+// 127 (the AVX2 integer products take |q| and k · sign(q)).
 
 #include <algorithm>
 #include <atomic>
@@ -277,8 +280,11 @@ struct Partial {
 // memory where the target has no register that wide, and lowers each
 // operation through the stack (a broadcast became 16 scalar stores, every
 // multiply-add a load and a store: the float32 step ran at a third of
-// XLA's on an AMD EPYC with AVX2). The float32 logits and values below are
-// the same sums in the same order on explicit 8-lane halves, in registers.
+// XLA's on an AMD EPYC with AVX2). So each inner loop has an 8-lane form
+// in registers for these builds, beside its 16-lane one: the float32 and
+// bfloat16 logits on each tile's two 8-slot halves, the int8 / int4
+// logits as integer products (vpmaddubsw: AVX2 has no VNNI), MLA's latent
+// logits in slot groups of 8 / G, the softmax and the values' sums.
 typedef float f8v __attribute__((vector_size(32)));
 
 inline f8v load8(const float* p) {
