@@ -115,6 +115,45 @@ def amx_runs(c, C, R) -> bool:
           native_attention.amx_fits(jnp.asarray(c).dtype, C, R))
 
 
+def latent_operands(form, B, N, C, R, S, rng):
+  """MLA's absorbed attention operands in `form` (float32, bfloat16 bits,
+  int8 codes with per-token scales, each part its own) drawn from `rng`:
+  q_lat, q_rope, c, r, the scale keywords of `latent_attend`, and the
+  latents and rotary keys as float64."""
+  q_lat = rng.standard_normal((B, N, C)).astype(np.float32)
+  q_rope = rng.standard_normal((B, N, R)).astype(np.float32)
+  c = rng.standard_normal((B, S, C)).astype(np.float32)
+  r = rng.standard_normal((B, S, R)).astype(np.float32)
+  scales = {}
+  if form == "bfloat16":
+    c, r = (quant.quantize(jnp.asarray(x), quant.BF16_BITS)[0]
+            for x in (c, r))
+    c64, r64 = (np.asarray(quant.dequantize(x, None, jnp.float32),
+                           np.float64) for x in (c, r))
+  elif form == "int8":
+    (c, cs), (r, rs) = (quant.quantize(jnp.asarray(x), jnp.int8)
+                        for x in (c, r))
+    c64, r64 = (np.asarray(x, np.float64) * np.asarray(sc, np.float64)[
+        ..., None] for x, sc in ((c, cs), (r, rs)))
+    scales = dict(c_scale_BS=cs, r_scale_BS=rs)
+  else:
+    c64, r64 = c.astype(np.float64), r.astype(np.float64)
+  return q_lat, q_rope, c, r, scales, c64, r64
+
+
+def latent_reference(q_lat, q_rope, c64, r64, mask, scale, form):
+  """float64 `latent_attend` on the vector path's numerics: over int8
+  codes each query part rounded as its codes are (`rounded_query`)."""
+  if form == "int8":
+    q64 = np.concatenate([rounded_query(q_lat, scale),
+                          rounded_query(q_rope, scale)], -1)[:, None]
+    scale = 1.0
+  else:
+    q64 = np.concatenate([q_lat, q_rope], -1).astype(np.float64)[:, None]
+  k64 = np.concatenate([c64, r64], -1)[:, None]
+  return reference(q64, k64, c64[:, None], mask, scale)[:, 0]
+
+
 # Flags of a build without VNNI, AVX-512 BF16 and AMX (the portable
 # products), and of one without AVX-512 at all (an AVX2 host's build).
 PORTABLE = ("-mno-avx512vnni -mno-avxvnni -mno-avx512bf16 -mno-amx-tile "
@@ -191,10 +230,10 @@ class KernelTest(parameterized.TestCase):
         rtol=2e-5, atol=atol(form, v64))
 
   def test_an_avx2_build_equals_the_reference(self):
-    # Without AVX-512 the float32 logits and values run on explicit 8-lane
-    # halves (GCC keeps a 64-byte vector in memory where no register is
-    # that wide); every kind, G across a register tile and past it,
-    # value channels off the 8-lane groups, a fully masked row.
+    # Without AVX-512 the kernel's loops run on explicit 8-lane forms (GCC
+    # keeps a 64-byte vector in memory where no register is that wide);
+    # every kind, G across a register tile and past it, value channels off
+    # the 8-lane groups, a fully masked row; MLA's latents in every form.
     B, K, D, E, S = 3, 2, 32, 20, 304
     ops, want, calls = {}, {}, {}
     for form in FORMS:
@@ -215,6 +254,26 @@ class KernelTest(parameterized.TestCase):
             f"jnp.asarray(o['{name}_mask']), {D ** -0.5}, {scales})")
         want[name] = (reference(q, k64, v64, mask, D ** -0.5, form),
                       atol(form, v64))
+    # MLA's latents: slot groups of 8 / N, a group's last slots one at a
+    # time (T = 130), latent channels past the last 8 and past the int8
+    # products' last 16 (C = 40), a rotary key of one 16-byte chunk.
+    R, T = 16, 130
+    for form in ("float32", "bfloat16", "int8"):
+      for N, C in ((1, 64), (4, 40), (8, 64)):
+        rng = np.random.default_rng(N + C)
+        q_lat, q_rope, c, r, scales, c64, r64 = latent_operands(
+            form, B, N, C, R, T, rng)
+        mask = rng.random((B, T)) < 0.7
+        mask[1] = False
+        name = f"latent_{form}_{N}"
+        arrays = dict(ql=q_lat, qr=q_rope, c=c, r=r, mask=mask, **scales)
+        ops.update({f"{name}_{k}": v for k, v in arrays.items()})
+        o = {k: f"jnp.asarray(o['{name}_{k}'])" for k in arrays}
+        kw = "".join(f", {k}={o[k]}" for k in scales)
+        calls[name] = (f"na.latent_attend({o['ql']}, {o['qr']}, {o['c']}, "
+                       f"{o['r']}, {o['mask']}, 0.1{kw})")
+        want[name] = (latent_reference(q_lat, q_rope, c64, r64, mask, 0.1,
+                                       form), 2e-5)
     got = portable_build(calls, flags=NO_AVX512, **ops)
     for name, (ref, tol) in want.items():
       np.testing.assert_allclose(got[name], ref, rtol=2e-5, atol=tol,
@@ -432,24 +491,8 @@ class LatentKernelTest(parameterized.TestCase):
     # by the N heads: K = 1, G = N); C not a multiple of 16 on one case.
     B, C, R = 2, 40 if N == 4 else 64, 16
     rng = np.random.default_rng(N + S)
-    q_lat = rng.standard_normal((B, N, C)).astype(np.float32)
-    q_rope = rng.standard_normal((B, N, R)).astype(np.float32)
-    c = rng.standard_normal((B, S, C)).astype(np.float32)
-    r = rng.standard_normal((B, S, R)).astype(np.float32)
-    scales = {}
-    if form == "bfloat16":
-      c, r = (quant.quantize(jnp.asarray(x), quant.BF16_BITS)[0]
-              for x in (c, r))
-      c64, r64 = (np.asarray(quant.dequantize(x, None, jnp.float32),
-                             np.float64) for x in (c, r))
-    elif form == "int8":  # codes with per-token scales, each its own
-      (c, cs), (r, rs) = (quant.quantize(jnp.asarray(x), jnp.int8)
-                          for x in (c, r))
-      c64, r64 = (np.asarray(x, np.float64) * np.asarray(sc, np.float64)[
-          ..., None] for x, sc in ((c, cs), (r, rs)))
-      scales = dict(c_scale_BS=cs, r_scale_BS=rs)
-    else:
-      c64, r64 = c.astype(np.float64), r.astype(np.float64)
+    q_lat, q_rope, c, r, scales, c64, r64 = latent_operands(
+        form, B, N, C, R, S, rng)
     mask = rng.random((B, S)) < 0.6
     mask[0, 0] = True
     mask[1] = False  # a fully masked row
