@@ -315,43 +315,58 @@ inline float hmax8(f8v x) {
   return _mm_cvtss_f32(m);
 }
 
-// `block_logits` over float32 keys: each tile of 16 slots as two halves
-// (a: slots 0-7, c: 8-15), 2 × GN sums in registers while the D key rows
-// stream by.
+// The frame of the 8-lane logits: each tile of 16 slots of the block as
+// two halves (a: slots 0-7, c: 8-15), 2 × GN sums (Acc: float or int32
+// lanes) that sums(j0, a, c) fills for the tile at b0 + j0; as_float(x, g)
+// turns row g's sums into logits, times the keys' scales where k_scale is
+// set, masked (`finish8`) into lg, each row's maximum into bm.
+template <int GN, typename Acc, typename Sums, typename AsFloat>
+inline void tiles8(int64_t b0, int64_t n, const float* __restrict__ k_scale,
+                   const bool* __restrict__ mask, float* __restrict__ lg,
+                   float* __restrict__ bm, const Sums& sums,
+                   const AsFloat& as_float) {
+  f8v vmax[GN];
+  for (int g = 0; g < GN; ++g) vmax[g] = bcast8(kLowest);
+  for (int64_t j0 = 0; j0 < n; j0 += kLanes) {
+    Acc a[GN], c[GN];
+    for (int g = 0; g < GN; ++g) a[g] = c[g] = Acc{};
+    sums(j0, a, c);
+    for (int g = 0; g < GN; ++g)
+      for (int h = 0; h < 2; ++h) {
+        const int64_t j = j0 + 8 * h;
+        f8v x = as_float(h ? c[g] : a[g], g);
+        if (k_scale != nullptr) x *= load8(k_scale + b0 + j);
+        store8(lg + g * kBlock + j, finish8(x, mask + b0 + j, vmax[g]));
+      }
+  }
+  for (int g = 0; g < GN; ++g) bm[g] = hmax8(vmax[g]);
+}
+
+inline f8v as_is(f8v x, int) { return x; }
+
+// `block_logits` over float32 keys (`tiles8`), the 2 × GN sums in
+// registers while the D key rows stream by.
 template <int GN>
 inline void block_logits_f32x8(const float* __restrict__ qs, int64_t D,
                                const float* __restrict__ k,
                                const bool* __restrict__ mask, int64_t b0,
                                int64_t n, float* __restrict__ lg,
                                float* __restrict__ bm) {
-  f8v vmax[GN];
-  for (int g = 0; g < GN; ++g) vmax[g] = f8v{} + kLowest;
-  for (int64_t j0 = 0; j0 < n; j0 += kLanes) {
-    f8v a[GN], c[GN];
-    for (int g = 0; g < GN; ++g) a[g] = c[g] = f8v{};
-    const float* kr = k + (b0 + j0) * D;
-    for (int64_t d = 0; d < D; ++d, kr += kLanes) {
-      prefetch_l2(kr + 2 * kBlock * D);
-      const f8v k0 = load8(kr), k1 = load8(kr + 8);
-      for (int g = 0; g < GN; ++g) {
-        const f8v qd = bcast8(qs[g * D + d]);
-        a[g] += qd * k0;
-        c[g] += qd * k1;
-      }
-    }
-    for (int g = 0; g < GN; ++g) {
-      store8(lg + g * kBlock + j0, finish8(a[g], mask + b0 + j0, vmax[g]));
-      store8(lg + g * kBlock + j0 + 8,
-             finish8(c[g], mask + b0 + j0 + 8, vmax[g]));
-    }
-  }
-  for (int g = 0; g < GN; ++g) bm[g] = hmax8(vmax[g]);
-}
-
-// 8 logits times their keys' scales (int8, int4 codes), then as `finish8`.
-inline f8v finish8(f8v a, const float* k_scale, const bool* mask,
-                   f8v& vmax) {
-  return finish8(a * load8(k_scale), mask, vmax);
+  tiles8<GN, f8v>(
+      b0, n, nullptr, mask, lg, bm,
+      [&](int64_t j0, f8v* a, f8v* c) {
+        const float* kr = k + (b0 + j0) * D;
+        for (int64_t d = 0; d < D; ++d, kr += kLanes) {
+          prefetch_l2(kr + 2 * kBlock * D);
+          const f8v k0 = load8(kr), k1 = load8(kr + 8);
+          for (int g = 0; g < GN; ++g) {
+            const f8v qd = bcast8(qs[g * D + d]);
+            a[g] += qd * k0;
+            c[g] += qd * k1;
+          }
+        }
+      },
+      as_is);
 }
 
 inline float hsum8(f8v x) {
@@ -382,39 +397,6 @@ inline f8v exp8(f8v x) {
   const f8v y = p * _mm256_castsi256_ps(bits);
   return _mm256_blendv_ps(y, _mm256_setzero_ps(),
                           _mm256_cmp_ps(x, bcast8(-87.0f), _CMP_LT_OQ));
-}
-
-// `softmax_block` on 8 lanes (its 16-lane sums went through memory).
-template <int GN>
-inline void softmax_block8(float* __restrict__ lg, const float* bm,
-                           int64_t n, const float* __restrict__ vs,
-                           int64_t E, float* __restrict__ m,
-                           float* __restrict__ l, float* __restrict__ acc) {
-  for (int g = 0; g < GN; ++g) {
-    float* row = lg + g * kBlock;
-    const float m_new = std::max(m[g], bm[g]);
-    const float corr = std::exp(m[g] - m_new);
-    if (corr != 1.0f) {
-      l[g] *= corr;
-      for (int64_t e = 0; e < E; ++e) acc[g * E + e] *= corr;
-    }
-    const f8v mv = bcast8(m_new);
-    f8v sums = {};
-    float tail = 0.0f;
-    int64_t j0 = 0;
-    for (; j0 + 8 <= n; j0 += 8) {
-      const f8v p = exp8(load8(row + j0) - mv);
-      sums += p;
-      store8(row + j0, vs != nullptr ? p * load8(vs + j0) : p);
-    }
-    for (; j0 < n; ++j0) {  // MLA's slots past the last 8
-      const float p = exp_nonpositive(row[j0] - m_new);
-      tail += p;
-      row[j0] = vs != nullptr ? p * vs[j0] : p;
-    }
-    l[g] += hsum8(sums) + tail;
-    m[g] = m_new;
-  }
 }
 
 // Prefetches the lines of `bytes` bytes from p into L2.
@@ -795,43 +777,32 @@ inline void block_logits_pairs(const uint32_t* __restrict__ qw,
   // each pair word widened to its even and odd channel in registers.
   (void)qw;
   (void)dot;
-  {
-    f8v vmax[GN];
-    for (int g = 0; g < GN; ++g) vmax[g] = bcast8(kLowest);
-    const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
-    auto widen = [&](const uint16_t* r, f8v& even, f8v& odd) {
-      const __m256i w =
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r));
-      even = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-      odd = _mm256_castsi256_ps(_mm256_and_si256(w, high));
-    };
-    for (int64_t j0 = 0; j0 < n; j0 += kLanes) {
-      f8v a[GN], c[GN];
-      for (int g = 0; g < GN; ++g) a[g] = c[g] = f8v{};
-      const uint16_t* kr = k + (b0 + j0) * D;
-      for (int64_t d2 = 0; d2 < D2; ++d2, kr += 2 * kLanes) {
-        prefetch_l2(kr + 2 * kBlock * D);
-        f8v e0, o0, e1, o1;
-        widen(kr, e0, o0);
-        widen(kr + kLanes, e1, o1);
-        for (int g = 0; g < GN; ++g) {
-          const f8v qo = bcast8(qf[g * D + 2 * d2 + 1]);
-          const f8v qe = bcast8(qf[g * D + 2 * d2]);
-          a[g] += qo * o0;
-          a[g] += qe * e0;
-          c[g] += qo * o1;
-          c[g] += qe * e1;
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  auto widen = [&](const uint16_t* r, f8v& even, f8v& odd) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r));
+    even = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+    odd = _mm256_castsi256_ps(_mm256_and_si256(w, high));
+  };
+  return tiles8<GN, f8v>(
+      b0, n, nullptr, mask, lg, bm,
+      [&](int64_t j0, f8v* a, f8v* c) {
+        const uint16_t* kr = k + (b0 + j0) * D;
+        for (int64_t d2 = 0; d2 < D2; ++d2, kr += 2 * kLanes) {
+          prefetch_l2(kr + 2 * kBlock * D);
+          f8v e0, o0, e1, o1;
+          widen(kr, e0, o0);
+          widen(kr + kLanes, e1, o1);
+          for (int g = 0; g < GN; ++g) {
+            const f8v qo = bcast8(qf[g * D + 2 * d2 + 1]);
+            const f8v qe = bcast8(qf[g * D + 2 * d2]);
+            a[g] += qo * o0;
+            a[g] += qe * e0;
+            c[g] += qo * o1;
+            c[g] += qe * e1;
+          }
         }
-      }
-      for (int g = 0; g < GN; ++g) {
-        store8(lg + g * kBlock + j0, finish8(a[g], mask + b0 + j0, vmax[g]));
-        store8(lg + g * kBlock + j0 + 8,
-               finish8(c[g], mask + b0 + j0 + 8, vmax[g]));
-      }
-    }
-    for (int g = 0; g < GN; ++g) bm[g] = hmax8(vmax[g]);
-    return;
-  }
+      },
+      as_is);
 #endif
   f16v vmax[GN];
   for (int g = 0; g < GN; ++g) vmax[g] = f16v{} + kLowest;
@@ -1131,69 +1102,55 @@ inline void block_logits_codes(const QuadQuery& q, int64_t D,
   // pair's sum fits int16 (|k|, |q| <= 127: `quant.quantize`'s codes, so
   // 2 · 127² < 2^15), and vpmaddwd adds the pairs into a lane's int32 sum
   // of four channels. Exact, as the other paths.
-  {
-    f8v vmax[GN];
-    for (int g = 0; g < GN; ++g) vmax[g] = bcast8(kLowest);
-    const float* ks8 = k_scale + b0;
-    const __m256i ones = _mm256_set1_epi16(1);
-    const __m256i low = _mm256_set1_epi8(0x0F), eight = _mm256_set1_epi8(8);
-    // 32 bytes of a run (8 slots' quads) as signed codes: int8 as stored,
-    // int4 a quad of low nibbles (lo) and one of high ones (hi).
-    auto unpack = [&](const T* p, __m256i& lo, __m256i& hi) {
-      const __m256i y =
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-      if constexpr (nibbles) {
-        lo = _mm256_sub_epi8(_mm256_xor_si256(_mm256_and_si256(y, low), eight),
-                             eight);
-        hi = _mm256_sub_epi8(
-            _mm256_xor_si256(_mm256_and_si256(_mm256_srli_epi16(y, 4), low),
-                             eight),
-            eight);
-      } else {
-        lo = hi = y;
-      }
-    };
-    auto dot = [&](__m256i acc, __m256i keys, __m256i qv, __m256i qa) {
-      return _mm256_add_epi32(
-          acc, _mm256_madd_epi16(
-                   _mm256_maddubs_epi16(qa, _mm256_sign_epi8(keys, qv)),
-                   ones));
-    };
-    for (int64_t j0 = 0; j0 < n; j0 += kLanes) {
-      __m256i a[GN], c[GN];
-      for (int g = 0; g < GN; ++g) a[g] = c[g] = _mm256_setzero_si256();
-      const T* kr = k + (b0 + j0) * row;
-      for (int64_t u = 0; u < units; ++u, kr += 4 * kLanes) {
-        prefetch_l2(kr + 2 * kBlock * row);
-        __m256i l0, h0, l1, h1;
-        unpack(kr, l0, h0);
-        unpack(kr + 2 * kLanes, l1, h1);
-        for (int g = 0; g < GN; ++g) {
-          const __m256i qv = _mm256_set1_epi32(q.words[g * D4 + u]);
-          const __m256i qa = _mm256_abs_epi8(qv);
-          a[g] = dot(a[g], l0, qv, qa);
-          c[g] = dot(c[g], l1, qv, qa);
-          if constexpr (nibbles) {
-            const __m256i hv = _mm256_set1_epi32(q.words[g * D4 + units + u]);
-            const __m256i ha = _mm256_abs_epi8(hv);
-            a[g] = dot(a[g], h0, hv, ha);
-            c[g] = dot(c[g], h1, hv, ha);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i low = _mm256_set1_epi8(0x0F), eight = _mm256_set1_epi8(8);
+  // 32 bytes of a run (8 slots' quads) as signed codes: int8 as stored,
+  // int4 a quad of low nibbles (lo) and one of high ones (hi).
+  auto unpack = [&](const T* p, __m256i& lo, __m256i& hi) {
+    const __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    if constexpr (nibbles) {
+      lo = _mm256_sub_epi8(_mm256_xor_si256(_mm256_and_si256(y, low), eight),
+                           eight);
+      hi = _mm256_sub_epi8(
+          _mm256_xor_si256(_mm256_and_si256(_mm256_srli_epi16(y, 4), low),
+                           eight),
+          eight);
+    } else {
+      lo = hi = y;
+    }
+  };
+  auto dot = [&](__m256i acc, __m256i keys, __m256i qv, __m256i qa) {
+    return _mm256_add_epi32(
+        acc, _mm256_madd_epi16(
+                 _mm256_maddubs_epi16(qa, _mm256_sign_epi8(keys, qv)), ones));
+  };
+  return tiles8<GN, __m256i>(
+      b0, n, k_scale, mask, lg, bm,
+      [&](int64_t j0, __m256i* a, __m256i* c) {
+        const T* kr = k + (b0 + j0) * row;
+        for (int64_t u = 0; u < units; ++u, kr += 4 * kLanes) {
+          prefetch_l2(kr + 2 * kBlock * row);
+          __m256i l0, h0, l1, h1;
+          unpack(kr, l0, h0);
+          unpack(kr + 2 * kLanes, l1, h1);
+          for (int g = 0; g < GN; ++g) {
+            const __m256i qv = _mm256_set1_epi32(q.words[g * D4 + u]);
+            const __m256i qa = _mm256_abs_epi8(qv);
+            a[g] = dot(a[g], l0, qv, qa);
+            c[g] = dot(c[g], l1, qv, qa);
+            if constexpr (nibbles) {
+              const __m256i hv =
+                  _mm256_set1_epi32(q.words[g * D4 + units + u]);
+              const __m256i ha = _mm256_abs_epi8(hv);
+              a[g] = dot(a[g], h0, hv, ha);
+              c[g] = dot(c[g], h1, hv, ha);
+            }
           }
         }
-      }
-      for (int g = 0; g < GN; ++g) {
-        const f8v s = bcast8(q.scale[g]);
-        store8(lg + g * kBlock + j0,
-               finish8(_mm256_cvtepi32_ps(a[g]) * s, ks8 + j0,
-                       mask + b0 + j0, vmax[g]));
-        store8(lg + g * kBlock + j0 + 8,
-               finish8(_mm256_cvtepi32_ps(c[g]) * s, ks8 + j0 + 8,
-                       mask + b0 + j0 + 8, vmax[g]));
-      }
-    }
-    for (int g = 0; g < GN; ++g) bm[g] = hmax8(vmax[g]);
-    return;
-  }
+      },
+      [&](__m256i x, int g) -> f8v {
+        return _mm256_cvtepi32_ps(x) * q.scale[g];
+      });
 #endif
   f16v vmax[GN];
   for (int g = 0; g < GN; ++g) vmax[g] = f16v{} + kLowest;
@@ -1345,59 +1302,7 @@ inline f16v lane_sums16(const f16v* v) {
   return __builtin_shuffle(x[0], x[1], lo1) + __builtin_shuffle(x[0], x[1], hi1);
 }
 
-// Logits of GN query rows against P = 16 / GN slots whose keys are rows
-// (slots j0 .. j0 + P - 1 of a, b): the P × GN dot products in 16
-// accumulators, reduced together (`lane_sums16`). Lane p · GN + g of the
-// result is slot j0 + p's logit for row g (lanes past P · GN: 0). With
-// `split` (int8 codes: the latent and the rotary key have scales of their
-// own) the latent part goes to `rc` and the rotary part to `rr`, each
-// reduced; else both to `rc`.
-template <int GN, typename T, bool split>
-inline void slot_group_logits(const float* __restrict__ qa, int64_t A,
-                              const float* __restrict__ qb, int64_t R,
-                              const T* __restrict__ a,
-                              const T* __restrict__ b, int64_t j0, f16v& rc,
-                              f16v& rr) {
-  constexpr int P = 16 / GN;
-  f16v acc[16];
-  for (int i = 0; i < 16; ++i) acc[i] = f16v{};
-  // acc[p · GN + g] += q_g · row_p over the W channels in whole vectors;
-  // the channels past the last multiple of 16 (none for MLA's usual C and
-  // R) go into `tail` after the reduction.
-  auto dots = [&](const float* q, int64_t W, const T* rows) {
-    for (int64_t e = 0; e + kLanes <= W; e += kLanes) {
-      f16v kv[P];
-      for (int p = 0; p < P; ++p) kv[p] = load16(rows + p * W + e);
-      for (int g = 0; g < GN; ++g) {
-        const f16v qv = load16(q + g * W + e);
-        for (int p = 0; p < P; ++p) acc[p * GN + g] += qv * kv[p];
-      }
-    }
-  };
-  auto tails = [&](const float* q, int64_t W, const T* rows, f16v& tail) {
-    for (int64_t e = W / kLanes * kLanes; e < W; ++e)
-      for (int p = 0; p < P; ++p)
-        for (int g = 0; g < GN; ++g)
-          tail[p * GN + g] += q[g * W + e] * load1(rows[p * W + e]);
-  };
-  const T* aj = a + j0 * A;
-  const T* bj = b + j0 * R;
-  dots(qa, A, aj);
-  if (split) {
-    rc = lane_sums16(acc);
-    for (int i = 0; i < 16; ++i) acc[i] = f16v{};
-  }
-  dots(qb, R, bj);
-  if (split) {
-    rr = lane_sums16(acc);
-  } else {
-    rc = lane_sums16(acc);
-    rr = f16v{};
-  }
-  tails(qa, A, aj, rc);
-  tails(qb, R, bj, split ? rr : rc);
-}
-
+inline f16v lane_sums(const f16v* v) { return lane_sums16(v); }
 #if defined(__AVX2__) && !defined(__AVX512F__)
 // Lane sums of 8 vectors at once: r[k] = sum of v[k]'s lanes (vhaddps
 // pairs within 128-bit halves, then the halves added).
@@ -1410,30 +1315,51 @@ inline f8v lane_sums8(const f8v* v) {
                        _mm256_permute2f128_ps(ab, cd, 0x31));
 }
 
-// `slot_group_logits` on 8 lanes: P = 8 / GN slots, their P × GN dot
-// products in 8 accumulators reduced together (`lane_sums8`); lane
-// p · GN + g of the result is slot j0 + p's logit for row g.
-template <int GN, typename T, bool split>
-inline void slot_group_logits8(const float* __restrict__ qa, int64_t A,
-                               const float* __restrict__ qb, int64_t R,
-                               const T* __restrict__ a,
-                               const T* __restrict__ b, int64_t j0, f8v& rc,
-                               f8v& rr) {
-  constexpr int P = 8 / GN;
-  f8v acc[8];
-  for (int i = 0; i < 8; ++i) acc[i] = f8v{};
+inline f8v lane_sums(const f8v* v) { return lane_sums8(v); }
+#endif
+
+// A register's lanes (V: f16v, or f8v in AVX2 builds) of floats, bfloat16
+// bits or int8 codes from p, as floats.
+template <typename V, typename T>
+inline V lanes_of(const T* p) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  if constexpr (sizeof(V) == 32) return load8v(p);
+#endif
+  if constexpr (sizeof(V) == 64) return load16(p);
+}
+
+// Logits of GN query rows against P = L / GN slots whose keys are rows
+// (slots j0 .. j0 + P - 1 of a, b), V a register of L float lanes (16, or
+// 8 in AVX2 builds): the P × GN dot products in L accumulators, reduced
+// together (`lane_sums`). Lane p · GN + g of the result is slot j0 + p's
+// logit for row g (lanes past P · GN: 0). With `split` (int8 codes: the
+// latent and the rotary key have scales of their own) the latent part goes
+// to `rc` and the rotary part to `rr`, each reduced; else both to `rc`.
+template <int GN, typename T, bool split, typename V = f16v>
+inline void slot_group_logits(const float* __restrict__ qa, int64_t A,
+                              const float* __restrict__ qb, int64_t R,
+                              const T* __restrict__ a,
+                              const T* __restrict__ b, int64_t j0, V& rc,
+                              V& rr) {
+  constexpr int L = sizeof(V) / sizeof(float);
+  constexpr int P = L / GN;
+  V acc[L];
+  for (int i = 0; i < L; ++i) acc[i] = V{};
+  // acc[p · GN + g] += q_g · row_p over the W channels in whole vectors;
+  // the channels past the last multiple of L (none for MLA's usual C and
+  // R) go into `tail` after the reduction.
   auto dots = [&](const float* q, int64_t W, const T* rows) {
-    for (int64_t e = 0; e + 8 <= W; e += 8) {
-      f8v kv[P];
-      for (int p = 0; p < P; ++p) kv[p] = load8v(rows + p * W + e);
+    for (int64_t e = 0; e + L <= W; e += L) {
+      V kv[P];
+      for (int p = 0; p < P; ++p) kv[p] = lanes_of<V>(rows + p * W + e);
       for (int g = 0; g < GN; ++g) {
-        const f8v qv = load8(q + g * W + e);
+        const V qv = lanes_of<V>(q + g * W + e);
         for (int p = 0; p < P; ++p) acc[p * GN + g] += qv * kv[p];
       }
     }
   };
-  auto tails = [&](const float* q, int64_t W, const T* rows, f8v& tail) {
-    for (int64_t e = W / 8 * 8; e < W; ++e)
+  auto tails = [&](const float* q, int64_t W, const T* rows, V& tail) {
+    for (int64_t e = W / L * L; e < W; ++e)
       for (int p = 0; p < P; ++p)
         for (int g = 0; g < GN; ++g)
           tail[p * GN + g] += q[g * W + e] * load1(rows[p * W + e]);
@@ -1442,21 +1368,22 @@ inline void slot_group_logits8(const float* __restrict__ qa, int64_t A,
   const T* bj = b + j0 * R;
   dots(qa, A, aj);
   if (split) {
-    rc = lane_sums8(acc);
-    for (int i = 0; i < 8; ++i) acc[i] = f8v{};
+    rc = lane_sums(acc);
+    for (int i = 0; i < L; ++i) acc[i] = V{};
   }
   dots(qb, R, bj);
   if (split) {
-    rr = lane_sums8(acc);
+    rr = lane_sums(acc);
   } else {
-    rc = lane_sums8(acc);
-    rr = f8v{};
+    rc = lane_sums(acc);
+    rr = V{};
   }
   tails(qa, A, aj, rc);
   tails(qb, R, bj, split ? rr : rc);
 }
 
-// `slot_group_logits8` over int8 rows for a rounded query (`LatentQuery`):
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// `slot_group_logits` on 8 lanes over int8 rows for a rounded query (`LatentQuery`):
 // integer products as `block_logits_codes`' AVX2 path takes them (|q| and
 // k · sign(q) into vpmaddubsw, pairs into int32 by vpmaddwd), 32 channels
 // an instruction; lanes p · GN + g of rc / rr the exact integer sums.
@@ -1622,12 +1549,12 @@ inline void block_logits_rows(const float* __restrict__ qa, int64_t A,
                               int64_t n, float* __restrict__ lg,
                               float* __restrict__ bm) {
 #if defined(__AVX2__) && !defined(__AVX512F__)
-  using lanes = f8v;  // 8-lane groups (`slot_group_logits8`)
+  using lanes = f8v;  // 8-lane slot groups
   constexpr int P = 8 / GN;
   auto group = [&](auto split, const float* x, const float* y, int64_t s,
                    lanes& rc, lanes& rr) {
-    slot_group_logits8<GN, T, decltype(split)::value>(x, A, y, R, a, b, s, rc,
-                                                      rr);
+    slot_group_logits<GN, T, decltype(split)::value, f8v>(x, A, y, R, a, b, s,
+                                                          rc, rr);
   };
 #else
   using lanes = f16v;
@@ -1854,9 +1781,6 @@ inline void softmax_block(float* __restrict__ lg, const float* bm, int64_t n,
                           const float* __restrict__ vs, int64_t E,
                           float* __restrict__ m, float* __restrict__ l,
                           float* __restrict__ acc) {
-#if defined(__AVX2__) && !defined(__AVX512F__)
-  return softmax_block8<GN>(lg, bm, n, vs, E, m, l, acc);
-#endif
   for (int g = 0; g < GN; ++g) {
     float* row = lg + g * kBlock;
     const float m_new = std::max(m[g], bm[g]);
@@ -1865,11 +1789,21 @@ inline void softmax_block(float* __restrict__ lg, const float* bm, int64_t n,
       l[g] *= corr;
       for (int64_t e = 0; e < E; ++e) acc[g * E + e] *= corr;
     }
-    // The weights, 16 slots at a time, their sum kept in lanes and
-    // reduced once per row and block (`hsum`).
-    f16v sums = {};
-    float tail = 0.0f;
+    // The weights a register at a time, their sum kept in lanes and
+    // reduced once per row and block.
     int64_t j0 = 0;
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    // 8 lanes (`exp8`: GCC left the 16-lane loop below scalar on AVX2).
+    const f8v mv = bcast8(m_new);
+    f8v sums = {};
+    for (; j0 + 8 <= n; j0 += 8) {
+      const f8v p = exp8(load8(row + j0) - mv);
+      sums += p;
+      store8(row + j0, vs != nullptr ? p * load8(vs + j0) : p);
+    }
+    float total = hsum8(sums);
+#else
+    f16v sums = {};
     for (; j0 + kLanes <= n; j0 += kLanes) {
       alignas(64) float w[kLanes];
 #pragma omp simd
@@ -1879,12 +1813,14 @@ inline void softmax_block(float* __restrict__ lg, const float* bm, int64_t n,
       sums += p;
       store16(row + j0, vs != nullptr ? p * load16(vs + j0) : p);
     }
-    for (; j0 < n; ++j0) {  // MLA's slots past the last 16
+    float total = hsum(sums);
+#endif
+    for (; j0 < n; ++j0) {  // MLA's slots past the last register
       const float p = exp_nonpositive(row[j0] - m_new);
-      tail += p;
+      total += p;
       row[j0] = vs != nullptr ? p * vs[j0] : p;
     }
-    l[g] += hsum(sums) + tail;
+    l[g] += total;
     m[g] = m_new;
   }
 }
