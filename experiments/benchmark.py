@@ -513,8 +513,10 @@ def run_sweep():
              steps=_SWEEP_STEPS.value, rows=[], machine=bm.machine_info())
   configs = [(label, c) for label, c in _variant_rows()
              if not label.endswith("naive")]
-  if native_attention.preferred():  # its bfloat16 product form
-    out["bf16_products"] = times = native_attention.bf16_product_times()
+  times = (native_attention.bf16_product_times()
+           if native_attention.preferred() else {})
+  if times.get("dot_ns"):  # measured: the host has AVX-512 BF16
+    out["bf16_products"] = times
     print("native kernel, bfloat16 products per 16 lanes: vdpbf16ps %.3f ns,"
           " multiply-adds %.3f ns -> %s" % (
               times["dot_ns"], times["fma_ns"],
