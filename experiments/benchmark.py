@@ -22,7 +22,10 @@ Modes (each writes <mode>.json and, where it plots, <mode>.png to --workdir):
              variant and kv_dtype (the cache-dominated regime), the kinds
              and the read probe timed in alternating rounds per point;
              then per point the cache's own read rate (Δ bytes / Δ time
-             against the shortest context: the step less its fixed part).
+             against the shortest context: the step less its fixed part),
+             and the same Δ as attention FLOPs against a matmul probe taken
+             before each point: the arithmetic intensity, the roof that
+             binds (bytes or FLOPs) and the share of it reached.
   fixed      what a decode step costs besides its cache, per variant and
              --fixed_batches: the step at a nearly empty cache, each weight
              product timed alone as the packed layout runs it, and the read
@@ -527,14 +530,19 @@ def run_sweep():
     params = _params(config)
     for B in batches:
       for ctx in contexts:
+        # The FLOP ceiling beside the read probe: the attention's roof
+        # where its products, not its bytes, bind (MQA's and MLA's).
+        flop_probe = bm.matmul_peak(2048, warmup=1, repeats=3)["flops_per_s"]
         timed = bm.decode_steps_alternating(
             params, config, B, ctx, kinds, steps=_SWEEP_STEPS.value,
             repeats=_REPEATS.value, probe_bytes=1 << 29)
         probe = timed.pop("read_probe")["bytes_per_s"]
+        flops = 2 * bm.attention_macs_per_token(config) * B * (ctx + 1)
         for kind, t in timed.items():
           need = bm.decode_bytes_per_step(params, config, B, ctx + 1, kind)
           row = dict(variant=label, kv_dtype=kind, batch=B, context=ctx,
-                     bytes=need, **t)
+                     bytes=need, attention_flops=flops,
+                     flop_probe=flop_probe, **t)
           row["read_probe"] = probe
           row["of_read_probe"] = need["total"] / t["step_s"] / probe
           out["rows"].append(row)
@@ -553,10 +561,14 @@ def run_sweep():
     if "cache_read" in r:
       c = r["cache_read"]
       print("%-13s %-9s b%-3d ctx %5d: cache read at %5.1f GB/s, %3.0f%% of "
-            "the read probe (fixed part %.2f ms, from ctx %d)" % (
+            "the read probe (fixed part %.2f ms, from ctx %d); attention "
+            "%5.1f GFLOP/s, %3.0f%% of the matmul probe; %4.1f FLOP/byte "
+            "(ridge %4.1f): %s-bound, %3.0f%% of that roof" % (
                 r["variant"], r["kv_dtype"], r["batch"], r["context"],
                 c["bytes_per_s"] / 1e9, 100 * c["of_read_probe"],
-                1e3 * c["fixed_s"], c["from_context"]))
+                1e3 * c["fixed_s"], c["from_context"], c["flops_per_s"] / 1e9,
+                100 * c["of_flop_probe"], c["intensity"], c["ridge"],
+                c["bound"], 100 * c["of_roofline"]))
   # The figure's probe line: the median of the points' own probes.
   out["read_probe"] = dict(bytes_per_s=statistics.median(
       r["read_probe"] for r in out["rows"]))

@@ -4,6 +4,7 @@ The models are checked against independent sources: the real nbytes of
 caches and params, and the matrix leaves of the params pytree.
 """
 
+import dataclasses
 import functools
 import time
 from unittest import mock
@@ -127,6 +128,58 @@ class TimingTest(parameterized.TestCase):
     rows[1]["step_s"] = rows[0]["step_s"]
     with self.assertRaisesRegex(ValueError, "context 8192.*not longer"):
       bm.cache_read_rates(rows)
+
+  def test_cache_read_rates_place_the_attention_on_its_roofline(self):
+    # 1 MB and 8 MFLOP more per 0.1 ms: 10 GB/s and 80 GFLOP/s, intensity
+    # 8 FLOP/byte. Against probes of 20 GB/s and 100 GFLOP/s (ridge 5) the
+    # FLOPs bind: the roof allows 0.08 ms, 80 % of the time taken.
+    def row(ctx, step_s, flops):
+      return dict(variant="mla", kv_dtype="float32", batch=8, context=ctx,
+                  bytes=dict(cache=1e6 * ctx, weights=0.0,
+                             total=1e6 * ctx), step_s=step_s,
+                  read_probe=20e9, flop_probe=100e9,
+                  attention_flops=flops * ctx)
+    out = bm.cache_read_rates([row(1, 1e-3, 8e6), row(3, 1.2e-3, 8e6)])
+    c = out[1]["cache_read"]
+    self.assertAlmostEqual(c["bytes_per_s"] / 10e9, 1.0)
+    self.assertAlmostEqual(c["flops_per_s"] / 80e9, 1.0)
+    self.assertAlmostEqual(c["of_flop_probe"], 0.8)
+    self.assertAlmostEqual(c["intensity"], 8.0)
+    self.assertAlmostEqual(c["ridge"], 5.0)
+    self.assertEqual(c["bound"], "flops")
+    self.assertAlmostEqual(c["of_roofline"], 0.8)
+    # A quarter of the FLOPs: intensity 2, below the ridge; the bytes bind
+    # at their probe's share (10 of 20 GB/s).
+    c = bm.cache_read_rates([row(1, 1e-3, 2e6),
+                             row(3, 1.2e-3, 2e6)])[1]["cache_read"]
+    self.assertEqual(c["bound"], "bytes")
+    self.assertAlmostEqual(c["of_roofline"], 0.5)
+    self.assertAlmostEqual(c["of_roofline"], c["of_read_probe"])
+    # Rows without the FLOP fields get the read rate alone.
+    bare = [{k: v for k, v in row(x, t, 8e6).items()
+             if k not in ("flop_probe", "attention_flops")}
+            for x, t in ((1, 1e-3), (3, 1.2e-3))]
+    self.assertNotIn("bound", bm.cache_read_rates(bare)[1]["cache_read"])
+
+  @parameterized.parameters("mha", "mqa", "gqa", "mla")
+  def test_attention_macs_count_every_cached_entry_product(self, variant):
+    # Against the products written out: a dot per query row with each
+    # cached key, a weighted value per row; MLA's latent is both (absorbed)
+    # or expanded per head first (naive).
+    config = kvjax.ModelConfig.from_dict(
+        model_presets.model_dict(variant, "small"))
+    L, N = config.num_layers, config.num_heads
+    if variant == "mla":
+      C, R = config.kv_lora_rank, config.qk_rope_head_dim
+      P, O = config.qk_nope_head_dim, config.v_head_dim
+      self.assertEqual(bm.attention_macs_per_token(config),
+                       L * N * (C + R) + L * N * C)
+      naive = dataclasses.replace(config, mla_decode="naive")
+      self.assertEqual(bm.attention_macs_per_token(naive),
+                       L * (C * N * P + C * N * O) + L * N * (P + R + O))
+    else:
+      H = config.head_dim
+      self.assertEqual(bm.attention_macs_per_token(config), L * N * (H + H))
 
   def test_compile_seconds(self):
     f = jax.jit(lambda x: jnp.sin(x) @ x)

@@ -196,7 +196,11 @@ def cache_read_rates(rows: Sequence[Mapping[str, Any]]
   cache's read; the whole step's share of the probe charges the fixed part
   to the kernel, the difference isolates what each cached token costs.
   Rows at the shortest context, or whose group has one context, are
-  returned without 'cache_read'.
+  returned without 'cache_read'. Where both rows carry `attention_flops`
+  (the step's attention FLOPs over its cached tokens) and `flop_probe`
+  (FLOP/s), 'cache_read' also holds the same difference against the FLOP
+  ceiling (`_attention_roofline`): flops_per_s, of_flop_probe, intensity,
+  ridge, bound ('bytes' or 'flops') and of_roofline.
 
   Raises:
     ValueError: a longer context that did not take longer (a rate needs a
@@ -224,7 +228,29 @@ def cache_read_rates(rows: Sequence[Mapping[str, Any]]
           bytes_per_s=rate, of_read_probe=rate / probe,
           fixed_s=base["step_s"] - base["bytes"]["cache"] / rate,
           from_context=base["context"])
+      if all("attention_flops" in x and "flop_probe" in x
+             for x in (r, base)):
+        r["cache_read"].update(_attention_roofline(
+            d_bytes, r["attention_flops"] - base["attention_flops"], d_s,
+            probe, 0.5 * (r["flop_probe"] + base["flop_probe"])))
   return out
+
+
+def _attention_roofline(d_bytes: float, d_flops: float, d_s: float,
+                        read_probe: float, flop_probe: float
+                        ) -> dict[str, Any]:
+  """What the extra cached tokens between two sweep points cost against
+  both ceilings: the attention's FLOP rate and its share of the FLOP probe;
+  its arithmetic intensity (FLOPs per cache byte) against the ridge (the
+  probes' ratio), which says which roof binds; and the time that roof
+  allows over the time taken (`of_roofline`: the larger of the two
+  probes' shares)."""
+  intensity, ridge = d_flops / d_bytes, flop_probe / read_probe
+  return dict(flops_per_s=d_flops / d_s, of_flop_probe=d_flops / d_s /
+              flop_probe, intensity=intensity, ridge=ridge,
+              bound="flops" if intensity > ridge else "bytes",
+              of_roofline=max(d_bytes / read_probe, d_flops / flop_probe) /
+              d_s)
 
 
 def spread(values) -> dict[str, float]:
@@ -390,6 +416,29 @@ def decode_bytes_per_step(params, config: ModelConfig, batch: int,
                 config.num_kv_heads * config.head_dim)
     c += config.num_layers * batch * key_group * channels * 4
   return dict(weights=w, cache=c, total=w + c)
+
+
+def attention_macs_per_token(config: ModelConfig) -> int:
+  """Multiply-adds a decode step spends on each cached token of one
+  sequence, over all layers: the work per entry that the cache bytes of
+  `decode_bytes_per_step` buy, so FLOPs / bytes is the attention's
+  arithmetic intensity (whatever the storage: codes are multiplied as
+  numbers).
+
+  GQA family: each of the N query rows takes a dot with the token's key
+  (H) and adds its weighted value (H): L · N · 2H. MLA absorbed: the
+  latent is key and value at once, L · N · (2C + R). MLA naive first
+  expands each cached latent into every head's key and value (C · N ·
+  (P + O)), then attends over keys of P + R and values of O.
+  """
+  L, N = config.num_layers, config.num_heads
+  if config.attention != "mla":
+    return L * N * 2 * config.head_dim
+  C, R = config.kv_lora_rank, config.qk_rope_head_dim
+  if config.mla_decode == "absorbed":
+    return L * N * (2 * C + R)
+  P, O = config.qk_nope_head_dim, config.v_head_dim
+  return L * (C * N * (P + O) + N * (P + R + O))
 
 
 # ---- cache kinds compared by the benchmarks ---------------------------------
