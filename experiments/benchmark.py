@@ -25,7 +25,11 @@ Modes (each writes <mode>.json and, where it plots, <mode>.png to --workdir):
              against the shortest context: the step less its fixed part),
              and the same Δ as attention FLOPs against a matmul probe taken
              before each point: the arithmetic intensity, the roof that
-             binds (bytes or FLOPs) and the share of it reached.
+             binds (bytes or FLOPs) and the share of it reached. A step is
+             a steady one: loops of --sweep_steps and twice as many steps
+             in the same rounds, their difference (a segment's copy of its
+             cache in and out, paid once per generate segment, printed
+             apart).
   fixed      what a decode step costs besides its cache, per variant and
              --fixed_batches: the step at a nearly empty cache, each weight
              product timed alone as the packed layout runs it, and the read
@@ -128,7 +132,8 @@ _FIXED_BATCHES = cli.DEFINE_int_list(
     "fixed_batches", [1, 8], "Batches of the fixed-part profile.",
     lower_bound=1)
 _SWEEP_STEPS = flags.DEFINE_integer(
-    "sweep_steps", 16, "Decode steps per timed loop of the sweep.",
+    "sweep_steps", 16, "Decode steps per timed loop of the sweep (each kind "
+    "also runs loops of twice as many: the steady step is the difference).",
     lower_bound=1)
 
 
@@ -535,29 +540,40 @@ def run_sweep():
         flop_probe = bm.matmul_peak(2048, warmup=1, repeats=3)["flops_per_s"]
         timed = bm.decode_steps_alternating(
             params, config, B, ctx, kinds, steps=_SWEEP_STEPS.value,
-            repeats=_REPEATS.value, probe_bytes=1 << 29)
+            repeats=_REPEATS.value, probe_bytes=1 << 29, steady=True)
         probe = timed.pop("read_probe")["bytes_per_s"]
-        flops = 2 * bm.attention_macs_per_token(config) * B * (ctx + 1)
+        flops = bm.decode_flops_per_step(config, B, ctx + 1)
         for kind, t in timed.items():
           need = bm.decode_bytes_per_step(params, config, B, ctx + 1, kind)
           row = dict(variant=label, kv_dtype=kind, batch=B, context=ctx,
-                     bytes=need, attention_flops=flops,
+                     bytes=need, flops=flops,
+                     attention_flops=flops["attention"],
                      flop_probe=flop_probe, **t)
           row["read_probe"] = probe
           row["of_read_probe"] = need["total"] / t["step_s"] / probe
+          row["roofline"] = bm.roofline(need["total"], flops["total"],
+                                        t["step_s"], probe, flop_probe)
           out["rows"].append(row)
-          report(row, "%-13s %-9s b%-3d ctx %5d: %7.2f ms/step, %5.2fx %s "
-                 "(%s), cache %3.0f%% of %6.1f MB, %3.0f%% of the read "
-                 "probe" % (label, kind, B, ctx, 1e3 * t["step_s"],
-                            t["vs_first"], kinds[0], t["layout"],
-                            100 * need["cache"] / need["total"],
-                            need["total"] / 1e6, 100 * row["of_read_probe"]))
+          report(row, "%-13s %-9s b%-3d ctx %5d: %7.2f ms/step (%s), "
+                 "%5.2fx %s (%s), cache %3.0f%% of %6.1f MB,"
+                 " %3.0f%% of the read probe; %4.1f FLOP/byte: %s-bound, "
+                 "%3.0f%% of that roof" % (
+                     label, kind, B, ctx, 1e3 * t["step_s"],
+                     "segment copy %.1f ms" % (1e3 * t["segment_s"])
+                     if t["steady"] else "not steady: the loop / steps",
+                     t["vs_first"], kinds[0],
+                     t["layout"], 100 * need["cache"] / need["total"],
+                     need["total"] / 1e6, 100 * row["of_read_probe"],
+                     row["roofline"]["intensity"], row["roofline"]["bound"],
+                     100 * row["roofline"]["of_roofline"]))
     del params
   report.close()
   # The cache's own read rate per point (against the shortest context of
   # its variant, kind and batch): the step minus its fixed part.
   out["rows"] = bm.cache_read_rates(out["rows"])
   for r in out["rows"]:
+    if "cache_read_error" in r:
+      print("no cache read rate: " + r["cache_read_error"])
     if "cache_read" in r:
       c = r["cache_read"]
       print("%-13s %-9s b%-3d ctx %5d: cache read at %5.1f GB/s, %3.0f%% of "

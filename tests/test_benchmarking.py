@@ -125,9 +125,13 @@ class TimingTest(parameterized.TestCase):
     self.assertAlmostEqual(got["gqa", 16384]["fixed_s"], 2e-3)
     self.assertAlmostEqual(got["mla", 8192]["bytes_per_s"] / 5e9, 1.0)
     self.assertEqual(got["mla", 8192]["from_context"], 2048)
+    # A longer context that took no longer has no rate, and says why; the
+    # other points keep theirs.
     rows[1]["step_s"] = rows[0]["step_s"]
-    with self.assertRaisesRegex(ValueError, "context 8192.*not longer"):
-      bm.cache_read_rates(rows)
+    out = bm.cache_read_rates(rows)
+    self.assertNotIn("cache_read", out[1])
+    self.assertRegex(out[1]["cache_read_error"], "context 8192.*not longer")
+    self.assertAlmostEqual(out[2]["cache_read"]["of_read_probe"], 16 / 20)
 
   def test_cache_read_rates_place_the_attention_on_its_roofline(self):
     # 1 MB and 8 MFLOP more per 0.1 ms: 10 GB/s and 80 GFLOP/s, intensity
@@ -160,6 +164,32 @@ class TimingTest(parameterized.TestCase):
              if k not in ("flop_probe", "attention_flops")}
             for x, t in ((1, 1e-3), (3, 1.2e-3))]
     self.assertNotIn("bound", bm.cache_read_rates(bare)[1]["cache_read"])
+
+  def test_roofline_names_the_binding_roof(self):
+    # 1 GB and 10 GFLOP in 0.2 s against 10 GB/s and 100 GFLOP/s: the bytes
+    # allow 0.1 s, the FLOPs 0.1 s; intensity 10 = the ridge: bytes-bound
+    # (not above it), 50 % of the roof.
+    r = bm.roofline(1e9, 1e10, 0.2, 10e9, 100e9)
+    self.assertEqual((r["bound"], r["intensity"], r["ridge"]),
+                     ("bytes", 10.0, 10.0))
+    self.assertAlmostEqual(r["of_roofline"], 0.5)
+    self.assertAlmostEqual(r["of_flop_probe"], 0.5)
+    r = bm.roofline(1e9, 4e10, 0.5, 10e9, 100e9)  # FLOPs allow 0.4 s
+    self.assertEqual(r["bound"], "flops")
+    self.assertAlmostEqual(r["of_roofline"], 0.8)
+    with self.assertRaisesRegex(ValueError, "seconds=0"):
+      bm.roofline(1e9, 1e9, 0, 10e9, 100e9)
+
+  def test_decode_flops_add_the_attention_to_the_weights(self):
+    config = tiny("mla")
+    one = bm.prefill_flops(config, 3, 1)
+    got = bm.decode_flops_per_step(config, 3, 100)
+    self.assertEqual(got["weights"], one["matmul"] + one["lm_head"])
+    self.assertEqual(got["attention"],
+                     2 * bm.attention_macs_per_token(config) * 3 * 100)
+    self.assertEqual(got["total"], got["weights"] + got["attention"])
+    with self.assertRaisesRegex(ValueError, "context must be >= 1"):
+      bm.decode_flops_per_step(config, 1, 0)
 
   @parameterized.parameters("mha", "mqa", "gqa", "mla")
   def test_attention_macs_count_every_cached_entry_product(self, variant):
@@ -336,6 +366,48 @@ class DecodeStepsTest(parameterized.TestCase):
       self.assertGreaterEqual(t["capacity"], 20 + 2 * 3)
     with self.assertRaisesRegex(ValueError, "kv_dtypes is empty"):
       bm.decode_steps_alternating(params, config, 1, 4, ())
+
+  def test_steady_steps_are_the_difference_of_two_loop_lengths(self):
+    # Loops timed as a segment copy plus their steps (float32: 50 ms + 10
+    # ms a step; int8: 30 ms + 4 ms a step): the steady step, the copy and
+    # the speed-up come back, not the loop / steps.
+    cost = {"float32": (0.05, 0.01), "int8": (0.03, 0.004)}
+
+    def fake(fns, warmup, repeats):
+      out = {}
+      for name in fns:
+        long = name.startswith(bm._LONG)  # pylint: disable=protected-access
+        copy, step = cost[name[len(bm._LONG):] if long else name]  # pylint: disable=protected-access
+        n = 4 if long else 2
+        out[name] = bm.Timing((copy + n * step,) * repeats)
+      return out
+
+    config = tiny("gqa")
+    params = kvjax.init_params(config, jax.random.key(0))
+    with mock.patch.object(bm, "time_alternating", side_effect=fake):
+      out = bm.decode_steps_alternating(params, config, 1, 8,
+                                        ("float32", "int8"), steps=2,
+                                        warmup=0, repeats=2, steady=True)
+    self.assertEqual(list(out), ["float32", "int8"])
+    for kind, (copy, step) in cost.items():
+      self.assertAlmostEqual(out[kind]["step_s"], step)
+      self.assertAlmostEqual(out[kind]["segment_s"], copy)
+      self.assertAlmostEqual(out[kind]["loop_step_s"], copy / 2 + step)
+      self.assertEqual(out[kind]["long_loop"]["repeats"], 2)
+    self.assertAlmostEqual(out["int8"]["vs_first"], 2.5)
+    self.assertEqual(out["int8"]["rounds"], (0.09 / 0.046,) * 2)
+    self.assertTrue(out["int8"]["steady"])
+    # A longer loop that took no longer (the noise above a step): the loop's
+    # time per step, marked, and no segment figure.
+    cost["int8"] = (0.03, 0.0)
+    with mock.patch.object(bm, "time_alternating", side_effect=fake):
+      out = bm.decode_steps_alternating(params, config, 1, 8,
+                                        ("float32", "int8"), steps=2,
+                                        warmup=0, repeats=2, steady=True)
+    self.assertFalse(out["int8"]["steady"])
+    self.assertAlmostEqual(out["int8"]["step_s"], 0.015)
+    self.assertTrue(np.isnan(out["int8"]["segment_s"]))
+    self.assertTrue(out["float32"]["steady"])
 
   @parameterized.parameters("gqa", "mla")
   def test_fixed_part_times_every_packed_product_of_the_step(self, variant):

@@ -199,12 +199,12 @@ def cache_read_rates(rows: Sequence[Mapping[str, Any]]
   returned without 'cache_read'. Where both rows carry `attention_flops`
   (the step's attention FLOPs over its cached tokens) and `flop_probe`
   (FLOP/s), 'cache_read' also holds the same difference against the FLOP
-  ceiling (`_attention_roofline`): flops_per_s, of_flop_probe, intensity,
+  ceiling (`roofline`): flops_per_s, of_flop_probe, intensity,
   ridge, bound ('bytes' or 'flops') and of_roofline.
 
-  Raises:
-    ValueError: a longer context that did not take longer (a rate needs a
-      positive Δ time; say which point).
+  A longer context that did not take longer has no rate (it needs a
+  positive Δ time): its row gets 'cache_read_error', saying which point,
+  instead of 'cache_read', and the others keep theirs.
   """
   out = [dict(r) for r in rows]
   groups: dict[tuple, list[dict]] = {}
@@ -217,11 +217,12 @@ def cache_read_rates(rows: Sequence[Mapping[str, Any]]
         continue
       d_bytes = r["bytes"]["cache"] - base["bytes"]["cache"]
       d_s = r["step_s"] - base["step_s"]
-      if d_s <= 0:
-        raise ValueError(
-            f"cache_read_rates: {key} at context {r['context']} took "
-            f"{r['step_s']:.3g} s, not longer than {base['step_s']:.3g} s at "
-            f"context {base['context']}")
+      if d_s <= 0:  # no rate: the noise is above the extra tokens' time
+        r["cache_read_error"] = (
+            f"{key} at context {r['context']} took {r['step_s']:.3g} s, not "
+            f"longer than {base['step_s']:.3g} s at context "
+            f"{base['context']}")
+        continue
       rate = d_bytes / d_s
       probe = 0.5 * (r["read_probe"] + base["read_probe"])
       r["cache_read"] = dict(
@@ -230,27 +231,31 @@ def cache_read_rates(rows: Sequence[Mapping[str, Any]]
           from_context=base["context"])
       if all("attention_flops" in x and "flop_probe" in x
              for x in (r, base)):
-        r["cache_read"].update(_attention_roofline(
+        r["cache_read"].update(roofline(
             d_bytes, r["attention_flops"] - base["attention_flops"], d_s,
             probe, 0.5 * (r["flop_probe"] + base["flop_probe"])))
   return out
 
 
-def _attention_roofline(d_bytes: float, d_flops: float, d_s: float,
-                        read_probe: float, flop_probe: float
-                        ) -> dict[str, Any]:
-  """What the extra cached tokens between two sweep points cost against
-  both ceilings: the attention's FLOP rate and its share of the FLOP probe;
-  its arithmetic intensity (FLOPs per cache byte) against the ridge (the
-  probes' ratio), which says which roof binds; and the time that roof
-  allows over the time taken (`of_roofline`: the larger of the two
-  probes' shares)."""
-  intensity, ridge = d_flops / d_bytes, flop_probe / read_probe
-  return dict(flops_per_s=d_flops / d_s, of_flop_probe=d_flops / d_s /
-              flop_probe, intensity=intensity, ridge=ridge,
+def roofline(nbytes: float, flops: float, seconds: float,
+             read_probe: float, flop_probe: float) -> dict[str, Any]:
+  """Work of `nbytes` read and `flops` done in `seconds` against both
+  ceilings: the FLOP rate and its share of the FLOP probe; the arithmetic
+  intensity (FLOPs per byte) against the ridge (the probes' ratio), which
+  says which roof binds; and the time that roof allows over the time taken
+  (`of_roofline`: the larger of the two probes' shares)."""
+  if min(nbytes, flops, seconds, read_probe, flop_probe) <= 0:
+    raise ValueError(
+        f"roofline: every quantity must be positive, got nbytes={nbytes}, "
+        f"flops={flops}, seconds={seconds}, read_probe={read_probe}, "
+        f"flop_probe={flop_probe}")
+  intensity, ridge = flops / nbytes, flop_probe / read_probe
+  return dict(flops_per_s=flops / seconds,
+              of_flop_probe=flops / seconds / flop_probe,
+              intensity=intensity, ridge=ridge,
               bound="flops" if intensity > ridge else "bytes",
-              of_roofline=max(d_bytes / read_probe, d_flops / flop_probe) /
-              d_s)
+              of_roofline=max(nbytes / read_probe, flops / flop_probe) /
+              seconds)
 
 
 def spread(values) -> dict[str, float]:
@@ -439,6 +444,27 @@ def attention_macs_per_token(config: ModelConfig) -> int:
     return L * N * (2 * C + R)
   P, O = config.qk_nope_head_dim, config.v_head_dim
   return L * (C * N * (P + O) + N * (P + R + O))
+
+
+def decode_flops_per_step(config: ModelConfig, batch: int,
+                          context: int) -> dict[str, float]:
+  """FLOPs of one decode step over `context` cached tokens (the new one
+  included), as the step runs them: every weight matrix once per sequence
+  and the LM head (`prefill_flops` of one token), and the attention's
+  `attention_macs_per_token` per cached token (MLA's absorbed form where
+  the config decodes absorbed).
+
+  Returns:
+    weights, attention, total.
+  """
+  if batch < 1 or context < 1:
+    raise ValueError(f"batch and context must be >= 1, got {batch}, "
+                     f"{context}")
+  one = prefill_flops(config, batch, 1)
+  weights = one["matmul"] + one["lm_head"]
+  attention = 2.0 * attention_macs_per_token(config) * batch * context
+  return dict(weights=weights, attention=attention,
+              total=weights + attention)
 
 
 # ---- cache kinds compared by the benchmarks ---------------------------------
@@ -961,7 +987,7 @@ def decode_step_seconds(params, config: ModelConfig, batch: int,
 def decode_steps_alternating(params, config: ModelConfig, batch: int,
                              position: int, kv_dtypes, *, steps: int = 16,
                              warmup: int = 1, repeats: int = 5,
-                             probe_bytes: int = 0
+                             probe_bytes: int = 0, steady: bool = False
                              ) -> dict[str, dict[str, Any]]:
   """`decode_step_seconds` for several cache kinds, timed in alternating
   rounds (`time_alternating`), so that their ratios share the load drift.
@@ -974,11 +1000,25 @@ def decode_steps_alternating(params, config: ModelConfig, batch: int,
   With `probe_bytes`, the read probe (`read_probe`) of that size runs in
   the same rounds, so each point has its own bandwidth under the same load.
 
+  With `steady`, each kind also runs loops of 2 · `steps` steps in the same
+  rounds, and step_s is the difference, (median 2·steps loop - median
+  steps loop) / steps: a step of a long segment, without the segment's
+  copy of its cache in and out (which generate pays once per segment);
+  segment_s is that copy (and the call), the steps loop less its steps.
+
   Returns:
     per kind: step_s (median), loop (Timing dict), layout (what the
     segment read), vs_first (median over rounds of the first kind's loop
     time / this kind's: its speed-up), rounds (those per-round ratios);
-    with `probe_bytes` also "read_probe": bytes_per_s (median), nbytes.
+    with `steady` the step and the speed-up are the steady ones (vs_first:
+    the first kind's step_s / this kind's; rounds: the per-round ratios of
+    the longer loops), plus loop_step_s (the steps loop / steps), segment_s
+    long_loop (Timing dict) and steady (False where the longer loop took
+    no longer, the noise above a step's time: step_s is then loop_step_s,
+    an upper bound, and segment_s NaN); with `probe_bytes` also
+    "read_probe": bytes_per_s (median), nbytes.
+  Raises:
+    ValueError: no kinds.
   """
   kinds = list(kv_dtypes)
   if not kinds:
@@ -986,8 +1026,34 @@ def decode_steps_alternating(params, config: ModelConfig, batch: int,
   runners = {k: _decode_runner(params, config, batch, position, steps, k,
                                None, warmup + repeats) for k in kinds}
   probe = read_probe(probe_bytes) if probe_bytes else None
-  return _time_runners(runners, steps, warmup, repeats, probe,
-                       "decode_steps_alternating")
+  if steady:
+    runners.update({
+        _LONG + k: _decode_runner(params, config, batch, position,
+                                  2 * steps, k, None, warmup + repeats)
+        for k in kinds})
+  out = _time_runners(runners, steps, warmup, repeats, probe,
+                      "decode_steps_alternating")
+  if not steady:
+    return out
+  for k in kinds:
+    short, long = out[k], out.pop(_LONG + k)
+    step = (long["loop"]["median_s"] - short["loop"]["median_s"]) / steps
+    # A longer loop that took no longer: the noise is above a step's time.
+    # The point keeps the loop's time per step (an upper bound), marked.
+    ok = step > 0
+    short.update(loop_step_s=short["step_s"], steady=ok,
+                 step_s=step if ok else short["step_s"],
+                 segment_s=short["loop"]["median_s"] - steps * step
+                 if ok else float("nan"), long_loop=long["loop"])
+  first = out[kinds[0]]
+  for k in kinds:
+    out[k]["vs_first"] = first["step_s"] / out[k]["step_s"]
+    out[k]["rounds"] = paired_ratios(first["long_loop"]["seconds"],
+                                     out[k]["long_loop"]["seconds"])
+  return out
+
+
+_LONG = "2x:"  # `decode_steps_alternating`'s names of its longer loops
 
 
 # Packed products an RMSNorm feeds (`projections`: norm_input=True).
@@ -1145,8 +1211,8 @@ def decode_models_alternating(models, batch: int, position: int, *,
 def _time_runners(runners, steps: int, warmup: int, repeats: int, probe,
                   who: str) -> dict[str, dict[str, Any]]:
   """Times `_decode_runner`s (and the read probe `(run, nbytes)`, if given)
-  in alternating rounds; per runner step_s, loop, layout, capacity,
-  vs_first and rounds (the first runner's loop time / this one's), plus
+  in alternating rounds; per runner step_s, loop (with its seconds),
+  layout, capacity, vs_first and rounds (the first runner's loop time / this one's), plus
   "read_probe" with a probe. Raises if a run set an error bit."""
   fns = {n: r[0] for n, r in runners.items()}
   if probe:
@@ -1160,7 +1226,8 @@ def _time_runners(runners, steps: int, warmup: int, repeats: int, probe,
   for n, (_, state, capacity, plan) in runners.items():
     errors.raise_if_set(state[0], who)
     ratios = paired_ratios(t[first].seconds, t[n].seconds)
-    out[n] = dict(step_s=t[n].median / steps, loop=t[n].to_dict(),
+    out[n] = dict(step_s=t[n].median / steps,
+                  loop=dict(t[n].to_dict(), seconds=t[n].seconds),
                   layout=plan.layout, capacity=capacity,
                   vs_first=statistics.median(ratios), rounds=ratios)
   return out
@@ -1461,8 +1528,10 @@ def step_ms_spread(timed: Mapping[str, Any]) -> tuple[float, float, float, int]:
   `no_cache_step_seconds` result."""
   loop = timed["loop"] if "loop" in timed else timed["timing"]
   per = timed["step_s"] / loop["median_s"]  # seconds per step / per loop
-  return (1e3 * timed["step_s"], 1e3 * loop["min_s"] * per,
-          1e3 * loop["max_s"] * per, int(loop["repeats"]))
+  med = 1e3 * timed["step_s"]
+  # Clamped: min · per rounds above the median where they are equal.
+  return (med, min(med, 1e3 * loop["min_s"] * per),
+          max(med, 1e3 * loop["max_s"] * per), int(loop["repeats"]))
 
 
 def _errorbar(ax, xs, timed, **kw):
