@@ -395,6 +395,9 @@ class DecodeStepsTest(parameterized.TestCase):
       self.assertAlmostEqual(out[kind]["loop_step_s"], copy / 2 + step)
       self.assertEqual(out[kind]["long_loop"]["repeats"], 2)
     self.assertAlmostEqual(out["int8"]["vs_first"], 2.5)
+    # One cache per kind, with room for both loops' calls (2 + 4 steps in
+    # each of 2 rounds from position 8).
+    self.assertGreaterEqual(out["int8"]["capacity"], 8 + 2 * (2 + 4))
     self.assertEqual(out["int8"]["rounds"], (0.09 / 0.046,) * 2)
     self.assertTrue(out["int8"]["steady"])
     # A longer loop that took no longer (the noise above a step): the loop's
