@@ -946,18 +946,27 @@ def _decode_runner(params, config: ModelConfig, batch: int, position: int,
   if capacity < need:
     raise ValueError(f"capacity={capacity} < {need} slots the run needs")
   state = [filled_cache(config, batch, capacity, position, policy)]
-  tok = jnp.zeros((batch,), jnp.int32)
   params = packed.for_decode(params, config)  # the layout generate runs
   plan = timing_plan(params, config, policy, batch, position, steps,
                      need - position, capacity)
   if layout is not None:
     plan = decode.Plan(plan.schedule, layout)
+  return (_loop_on(params, config, batch, state, steps, plan), state,
+          capacity, plan)
+
+
+def _loop_on(params, config: ModelConfig, batch: int, state, steps: int,
+             plan: decode.Plan):
+  """`run()` of a `_decode_runner`: `steps` steps of `decode_loop` from
+  state[0], which it replaces with the cache after them."""
+  params = packed.for_decode(params, config)
+  tok = jnp.zeros((batch,), jnp.int32)
 
   def run():
     out, state[0] = decode_loop(params, config, tok, state[0], steps, plan)
     return out
 
-  return run, state, capacity, plan
+  return run
 
 
 def decode_step_seconds(params, config: ModelConfig, batch: int,
@@ -1066,14 +1075,8 @@ def _longer_runner(runner, params, config: ModelConfig, batch: int,
   _, state, capacity, plan = runner
   plan = decode.Plan(schedule=((steps, plan.schedule[0][1]),),
                      layout=plan.layout)
-  fast = packed.for_decode(params, config)
-  tok = jnp.zeros((batch,), jnp.int32)
-
-  def run():
-    out, state[0] = decode_loop(fast, config, tok, state[0], steps, plan)
-    return out
-
-  return run, state, capacity, plan
+  return (_loop_on(params, config, batch, state, steps, plan), state,
+          capacity, plan)
 
 
 # Packed products an RMSNorm feeds (`projections`: norm_input=True).
