@@ -39,6 +39,7 @@ from flax import struct
 
 from kvjax import attention
 from kvjax import cache as cache_lib
+from kvjax import layered
 from kvjax import quant
 
 BLOCK = 64  # X: slots per key block (32 measured as fast, 128 slower)
@@ -109,18 +110,27 @@ def from_cache(cache: cache_lib.KVCache, attend: int,
                    policy=cache.policy)
 
 
-def into_cache(cache: cache_lib.KVCache, blocked: BlockedKV
-               ) -> cache_lib.KVCache:
-  """`cache` with its first S slots (the blocked cache's), positions and
-  lengths taken from `blocked` (the inverse of `from_cache`)."""
+def into_cache(cache: cache_lib.KVCache, blocked: BlockedKV,
+               steps: int | None = None) -> cache_lib.KVCache:
+  """`cache` with the slots a segment of `steps` decode steps wrote
+  (`layered.written_window`; None: its first S slots, the blocked
+  cache's), positions and lengths taken from `blocked` (the inverse of
+  `from_cache`)."""
   B, K, W, H, X = blocked.k[0].shape
   S = W * X
-  k_LBKSH = jnp.stack([jnp.swapaxes(k, -1, -2).reshape(B, K, S, H)
-                       for k in blocked.k])
-  v_LBKSH = jnp.stack(blocked.v)
+
+  def rows(k):  # [B, K, n, H, X] blocks -> [B, K, n · X, H]
+    return jnp.swapaxes(k, -1, -2).reshape(B, K, k.shape[2] * X, H)
+
+  at_B = layered.written_window(cache, blocked, steps)
+  if at_B is None:
+    k, v = tuple(map(rows, blocked.k)), blocked.v
+  else:
+    k = tuple(layered.tile_window(x, at_B, steps, rows) for x in blocked.k)
+    v = tuple(layered.slot_window(x, at_B, steps, 2) for x in blocked.v)
   return cache.replace(
-      k=cache.k.at[:, :, :, :S].set(k_LBKSH),
-      v=cache.v.at[:, :, :, :S].set(v_LBKSH),
+      k=layered.put_window(cache.k, k, at_B, 3),
+      v=layered.put_window(cache.v, v, at_B, 3),
       positions=cache.positions.at[:, :S].set(blocked.positions),
       length=blocked.length, errors=blocked.errors)
 

@@ -304,7 +304,7 @@ def run(params, config: ModelConfig, tok_B, cache, xs, *,
           functools.partial(body, attend=0 if use_view else attend),
           (tok_B, seg, model.decode_rope(config, seg)), seg_xs,
           length=steps)
-      cache = view.into_cache(cache, seg) if use_view else seg
+      cache = view.into_cache(cache, seg, steps) if use_view else seg
       records.append(ys)
       start += steps
     ys = jax.tree_util.tree_map(lambda *a: jnp.concatenate(a, axis=0),

@@ -15,9 +15,10 @@ keeps them packed and unpacks in registers.)
 S, the layered cache's slots, is the attended prefix of one `generate`
 decode segment (`decode.attention_schedule`): the segment splits the first
 S slots of the stacked `KVCache` into per-layer arrays once (`from_cache`),
-runs its decode scan over them and writes them back (`into_cache`). The
-copies cost two passes over the prefix per segment; a segment runs as many
-steps as it has slots to fill, so they amortise.
+runs its decode scan over them and writes back the slots it wrote
+(`into_cache` with the segment's steps: a window per sequence,
+`written_window`). The split costs a pass over the prefix per segment; a
+segment runs as many steps as it has slots to fill, so it amortises.
 
 Why per-layer arrays: a decode step over the stacked cache reads each
 layer's `k[l, :, :, :S]`, which XLA:CPU copies before the dots (a strided
@@ -171,24 +172,90 @@ def layer_slices(arr, attend: int, unpack: bool = True):
   return parts
 
 
-def write_back(cache: cache_lib.KVCache, view, k_parts, v_parts,
-               packed: bool = False) -> cache_lib.KVCache:
-  """`cache` with its first S slots set from a per-layer view: keys and
-  values per layer as [B, K, S, H] codes (int4 packed back into pairs,
-  unless `packed`: [B, K, S, H/2] as stored), the view's scales,
-  positions, lengths and errors."""
-  S = v_parts[0].shape[2]
+def written_window(cache, view, steps: int | None):
+  """Where each sequence's decode segment of `steps` steps may have written
+  in a view of S slots: the first slot of a window of `steps` slots per
+  sequence, [B] int32, or None where the whole prefix goes back (`steps`
+  None, or a window no shorter than S).
 
-  def put(arr, parts):
-    return None if arr is None else arr.at[:, :, :, :S].set(jnp.stack(parts))
+  Under eviction 'none' (the views' only policy) step j of sequence b
+  writes slot length_b + j, length_b the stacked cache's length before the
+  segment; writes at S or past are dropped. A window that would run past
+  S starts at S - steps instead: it still covers every slot written, and
+  the slots it adds hold what the view read, so they go back unchanged.
+
+  Why windows: a segment writes `steps` slots per sequence and layer and
+  reads the whole prefix; writing the prefix back cost a pass over it per
+  segment (70 ms of float32 gqa-small at batch 8, 16,384 slots; 280 ms for
+  mha-small; WORKSPACE.md "Quantized caches").
+  """
+  S = view.capacity
+  if steps is None or steps >= S:
+    return None
+  return jnp.clip(cache.length, 0, S - steps).astype(jnp.int32)
+
+
+def slot_window(x, at_B, W: int, axis: int):
+  """x [B, ...]'s W slots from at_B[b] along its slot `axis`, per sequence
+  (`axis` counts B)."""
+  return jax.vmap(
+      lambda xb, a: jax.lax.dynamic_slice_in_dim(xb, a, W, axis - 1))(x, at_B)
+
+
+def tile_window(tiles, at_B, W: int, untile):
+  """Slots [at_B[b], at_B[b] + W) of keys in tiles of X slots, tiles [B, K,
+  n, ..., X] with untile(tiles) [B, K, n · X, H]: as [B, K, W, H], from
+  the tiles that hold them only (two more than W / X at most)."""
+  n, X = tiles.shape[2], tiles.shape[-1]
+  nt = min(n, -(-W // X) + 1)
+  t0_B = jnp.clip(at_B // X, 0, n - nt)
+  rows = untile(slot_window(tiles, t0_B, nt, 2))
+  return slot_window(rows, at_B - t0_B * X, W, 2)
+
+
+def put_window(arr, parts, at_B, axis: int):
+  """arr [L, B, ...] with each layer's window parts[l] [B, ..., W, ...]
+  written at slots [at_B[b], at_B[b] + W) of its slot `axis` (counting L
+  and B); the whole prefix (slots [0, W)) where at_B is None."""
+  if arr is None:
+    return None
+  update = jnp.stack(parts)
+  if at_B is None:
+    index = (slice(None),) * axis + (slice(0, update.shape[axis]),)
+    return arr.at[index].set(update)
+
+  # One dynamic update per sequence, not a vmapped one: XLA:CPU runs each
+  # in place, where the scatter a vmap makes of them measured slower than
+  # writing the whole prefix back.
+  for b in range(update.shape[1]):
+    index = [0] * arr.ndim
+    index[1], index[axis] = b, at_B[b]
+    arr = jax.lax.dynamic_update_slice(arr, update[:, b:b + 1], index)
+  return arr
+
+
+def write_back(cache: cache_lib.KVCache, view, k_parts, v_parts,
+               packed: bool = False, at_B=None) -> cache_lib.KVCache:
+  """`cache` with a per-layer view's slots written back: keys and values per
+  layer as [B, K, W, H] codes (int4 packed back into pairs, unless
+  `packed`: [B, K, W, H/2] as stored) of slots [at_B[b], at_B[b] + W) of
+  each sequence (`written_window`; at_B None: W = S, the whole prefix),
+  the view's scales there, its positions, lengths and errors."""
+  S = view.capacity
+
+  def scales(parts):
+    if parts is None or at_B is None:
+      return parts
+    return tuple(slot_window(x, at_B, v_parts[0].shape[2], 2) for x in parts)
 
   if view.policy.kv_dtype == "int4" and not packed:
     k_parts, v_parts = (tuple(quant.pack_int4(x) for x in k_parts),
                         tuple(quant.pack_int4(x) for x in v_parts))
   return cache.replace(
-      k=put(cache.k, k_parts), v=put(cache.v, v_parts),
-      k_scale=put(cache.k_scale, view.k_scale),
-      v_scale=put(cache.v_scale, view.v_scale),
+      k=put_window(cache.k, k_parts, at_B, 3),
+      v=put_window(cache.v, v_parts, at_B, 3),
+      k_scale=put_window(cache.k_scale, scales(view.k_scale), at_B, 3),
+      v_scale=put_window(cache.v_scale, scales(view.v_scale), at_B, 3),
       positions=cache.positions.at[:, :S].set(view.positions),
       length=view.length, errors=view.errors)
 
@@ -215,12 +282,21 @@ def from_cache(cache: cache_lib.KVCache, attend: int) -> LayeredKV:
                    errors=cache.errors, policy=cache.policy)
 
 
-def into_cache(cache: cache_lib.KVCache, layered: LayeredKV
-               ) -> cache_lib.KVCache:
-  """`cache` with its first S slots (the layered cache's), positions and
-  lengths taken from `layered` (the inverse of `from_cache`)."""
-  v = _swap(layered.v) if layered.transposed else layered.v
-  return write_back(cache, layered, _swap(layered.k), v)
+def into_cache(cache: cache_lib.KVCache, layered: LayeredKV,
+               steps: int | None = None) -> cache_lib.KVCache:
+  """`cache` with the slots a segment of `steps` decode steps wrote
+  (`written_window`; None: its first S slots, the layered cache's),
+  positions and lengths taken from `layered` (the inverse of
+  `from_cache`)."""
+  at_B = written_window(cache, layered, steps)
+  if at_B is None:
+    v = _swap(layered.v) if layered.transposed else layered.v
+    return write_back(cache, layered, _swap(layered.k), v)
+  k = _swap(tuple(slot_window(x, at_B, steps, 3) for x in layered.k))
+  v = tuple(slot_window(x, at_B, steps, 3 if layered.transposed else 2)
+            for x in layered.v)
+  return write_back(cache, layered, k, _swap(v) if layered.transposed else v,
+                    at_B=at_B)
 
 
 def write(layered: LayeredKV, layer: int, slots_BT, k_BTKH, v_BTKH

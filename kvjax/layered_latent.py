@@ -138,16 +138,21 @@ def from_cache(cache: cache_lib.LatentCache, attend: int, *,
                        policy=cache.policy)
 
 
-def into_cache(cache: cache_lib.LatentCache, view: LayeredLatent
-               ) -> cache_lib.LatentCache:
-  """`cache` with its first S slots (the view's), positions and lengths
-  taken from `view` (the inverse of `from_cache`)."""
+def into_cache(cache: cache_lib.LatentCache, view: LayeredLatent,
+               steps: int | None = None) -> cache_lib.LatentCache:
+  """`cache` with the slots a segment of `steps` decode steps wrote
+  (`layered.written_window`; None: its first S slots, the view's),
+  positions and lengths taken from `view` (the inverse of `from_cache`)."""
   S = view.capacity
+  at_B = layered.written_window(cache, view, steps)
 
-  def put(arr, parts):
-    return None if arr is None else arr.at[:, :, :S].set(jnp.stack(parts))
+  def window(parts, axis):
+    if parts is None or at_B is None:
+      return parts
+    return tuple(layered.slot_window(x, at_B, steps, axis) for x in parts)
 
   def stored(parts):
+    parts = window(parts, 2 if view.transposed else 1)
     if view.transposed:
       parts = tuple(jnp.swapaxes(x, -1, -2) for x in parts)
     if view.policy.kv_dtype == "int4":
@@ -155,10 +160,12 @@ def into_cache(cache: cache_lib.LatentCache, view: LayeredLatent
     return parts
 
   return cache.replace(
-      c_kv=put(cache.c_kv, stored(view.c)),
-      k_rope=put(cache.k_rope, stored(view.r)),
-      c_scale=put(cache.c_scale, view.c_scale),
-      r_scale=put(cache.r_scale, view.r_scale),
+      c_kv=layered.put_window(cache.c_kv, stored(view.c), at_B, 2),
+      k_rope=layered.put_window(cache.k_rope, stored(view.r), at_B, 2),
+      c_scale=layered.put_window(cache.c_scale, window(view.c_scale, 1),
+                                 at_B, 2),
+      r_scale=layered.put_window(cache.r_scale, window(view.r_scale, 1),
+                                 at_B, 2),
       positions=cache.positions.at[:, :S].set(view.positions),
       length=view.length, errors=view.errors)
 

@@ -78,10 +78,12 @@ def from_cache(cache: cache_lib.LatentCache, attend: int) -> NativeLatent:
                       policy=view.policy)
 
 
-def into_cache(cache: cache_lib.LatentCache, view: NativeLatent
-               ) -> cache_lib.LatentCache:
-  """`cache` with its first S slots, positions and lengths from `view`."""
-  return layered_latent.into_cache(cache, view)
+def into_cache(cache: cache_lib.LatentCache, view: NativeLatent,
+               steps: int | None = None) -> cache_lib.LatentCache:
+  """`cache` with the slots a segment of `steps` decode steps wrote (None:
+  its first S slots), positions and lengths from `view`
+  (`layered_latent.into_cache`)."""
+  return layered_latent.into_cache(cache, view, steps)
 
 
 def read(view: NativeLatent, layer: int, dtype, prefix: int = 0):

@@ -111,12 +111,22 @@ def from_cache(cache: cache_lib.KVCache, attend: int) -> NativeKV:
       errors=cache.errors, policy=cache.policy)
 
 
-def into_cache(cache: cache_lib.KVCache, view: NativeKV) -> cache_lib.KVCache:
-  """`cache` with its first S slots, positions and lengths from `view` (the
-  inverse of `from_cache`)."""
+def into_cache(cache: cache_lib.KVCache, view: NativeKV,
+               steps: int | None = None) -> cache_lib.KVCache:
+  """`cache` with the slots a segment of `steps` decode steps wrote
+  (`layered.written_window`; None: its first S slots), positions and
+  lengths from `view` (the inverse of `from_cache`)."""
+  at_B = layered.written_window(cache, view, steps)
+  if at_B is None:
+    return layered.write_back(
+        cache, view, tuple(map(native_attention.untile_keys, view.k)),
+        view.v, packed=True)
   return layered.write_back(
-      cache, view, tuple(map(native_attention.untile_keys, view.k)), view.v,
-      packed=True)
+      cache, view,
+      tuple(layered.tile_window(x, at_B, steps, native_attention.untile_keys)
+            for x in view.k),
+      tuple(layered.slot_window(x, at_B, steps, 2) for x in view.v),
+      packed=True, at_B=at_B)
 
 
 def _put_key(tiles, s_B, new_BKH):
