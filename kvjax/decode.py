@@ -53,6 +53,15 @@ DECODE_LAYOUTS = ("auto", "stacked", "blocked", "layered", "native")
 _VIEWS = {("blocked", "gqa"): blocked, ("layered", "gqa"): layered,
           ("layered", "mla"): layered_latent,
           ("native", "gqa"): native_layered, ("native", "mla"): native_latent}
+
+
+def segment_view(layout: str, attention: str):
+  """The module of a segment's view for `layout` and `config.attention`
+  ('layered' / 'native' / 'blocked'; None where the layout has none:
+  'stacked', or 'blocked' for MLA): supports / from_cache / into_cache."""
+  return _VIEWS.get((layout, attention))
+
+
 # 'auto' reads float caches layered from this batch on: at batch 1 a float
 # per-layer array measured 0.5x the stacked step (gqa-small, 8192 slots).
 LAYERED_MIN_BATCH = 4
@@ -294,7 +303,7 @@ def run(params, config: ModelConfig, tok_B, cache, xs, *,
     records, start = [], 0
     for i, (steps, attend) in enumerate(plan.schedule or ((n, 0),)):
       prefix = attend or cache.capacity
-      view = _VIEWS.get((plan.segment_layout(i), config.attention))
+      view = segment_view(plan.segment_layout(i), config.attention)
       use_view = view is not None and view.supports(cache, prefix) is None
       seg = view.from_cache(cache, prefix) if use_view else cache
       seg_xs = (None if xs is None else

@@ -408,7 +408,7 @@ def decode_attend(q_BKGD, k_tiles, v, mask_BS, scale: float,
 
 def latent_attend(q_lat_BNC, q_rope_BNR, c_BSC, r_BSR, mask_BS,
                   scale: float, c_scale_BS=None, r_scale_BS=None,
-                  latent_products: str = "auto"):
+                  latent_products: str = "auto", layer: int | None = None):
   """MLA's absorbed decode attention (`mla.absorbed_decode`'s semantics) of
   one query token per sequence over per-layer latents, keys and values at
   once.
@@ -417,7 +417,9 @@ def latent_attend(q_lat_BNC, q_rope_BNR, c_BSC, r_BSR, mask_BS,
     q_lat_BNC, q_rope_BNR: the absorbed and rotary queries (cast to
       float32).
     c_BSC, r_BSR: latents and rotary keys, float32, bfloat16 bits (uint16)
-      or int8 codes, the same for both.
+      or int8 codes, the same for both; with `layer`, a stacked cache's
+      [L, B, S', C] and [L, B, S', R] (scales [L, B, S']), read in place:
+      layer `layer`'s first S slots, S the mask's.
     mask_BS: bool, True where a slot may be attended.
     scale: softmax scale.
     c_scale_BS, r_scale_BS: float32 per-token scales of int8 codes (and
@@ -436,14 +438,14 @@ def latent_attend(q_lat_BNC, q_rope_BNR, c_BSC, r_BSR, mask_BS,
   """
   _require("latent_attend")
   B, N, C = q_lat_BNC.shape
-  S, R = c_BSC.shape[1], r_BSR.shape[2]
+  R, S = r_BSR.shape[-1], mask_BS.shape[-1]
+  int8 = c_BSC.dtype == jnp.int8
+  _check_scales("latent_attend", int8, c_scale_BS, r_scale_BS)
   if (jnp.dtype(c_BSC.dtype) not in LATENT_DTYPES or
       r_BSR.dtype != c_BSC.dtype):
     raise ValueError(f"latent_attend: latents {c_BSC.dtype} / rotary keys "
                      f"{r_BSR.dtype}: float32, bfloat16 bits or int8 codes, "
                      "the same")
-  int8 = c_BSC.dtype == jnp.int8
-  _check_scales("latent_attend", int8, c_scale_BS, r_scale_BS)
   if latent_products not in LATENT_PRODUCTS:
     raise ValueError(f"latent_attend: latent_products={latent_products!r}, "
                      f"not one of {sorted(LATENT_PRODUCTS)}")
@@ -454,15 +456,25 @@ def latent_attend(q_lat_BNC, q_rope_BNR, c_BSC, r_BSR, mask_BS,
         f"{jnp.dtype(c_BSC.dtype)} C={C} R={R} here (latent_amx() is "
         f"{latent_amx()}; `amx_fits` wants bfloat16 / int8 with C·bytes a "
         "multiple of 64 and R·bytes whole words up to 64)")
-  if (q_rope_BNR.shape != (B, N, R) or c_BSC.shape != (B, S, C) or
-      r_BSR.shape != (B, S, R) or mask_BS.shape != (B, S) or
-      (int8 and (c_scale_BS.shape != (B, S) or r_scale_BS.shape != (B, S)))):
+  # Per-layer arrays [B, S, C], or with `layer` a stacked cache's [L, B,
+  # S', C] whose first S slots (the mask's) the kernel reads in place.
+  lead = c_BSC.shape[:1] if layer is not None else ()
+  S_all = c_BSC.shape[-2]
+  if (q_rope_BNR.shape != (B, N, R) or c_BSC.shape != lead + (B, S_all, C) or
+      r_BSR.shape != lead + (B, S_all, R) or mask_BS.shape != (B, S) or
+      (S > S_all if lead else S != S_all) or
+      (lead and not 0 <= layer < lead[0]) or
+      (int8 and (c_scale_BS.shape != lead + (B, S_all) or
+                 r_scale_BS.shape != lead + (B, S_all)))):
+    want = ("[L, B, S', C], [L, B, S', R], [B, S] with S <= S' and layer < L"
+            if lead else "[B, S, C], [B, S, R], [B, S]")
     raise ValueError(
         f"latent_attend: q_lat {q_lat_BNC.shape}, q_rope {q_rope_BNR.shape}, "
         f"c {c_BSC.shape}, r {r_BSR.shape}, mask {mask_BS.shape}"
+        + (f", layer {layer}" if lead else "")
         + (f", scales {c_scale_BS.shape} / {r_scale_BS.shape}" if int8 else
-           "") + "; want [B, N, C], [B, N, R], [B, S, C], [B, S, R], [B, S]"
-        + (", [B, S]" if int8 else ""))
+           "") + f"; want [B, N, C], [B, N, R], {want}"
+        + (", scales as the latents' slots" if int8 else ""))
   call = jax.ffi.ffi_call(LATENT_TARGET,
                           jax.ShapeDtypeStruct((B, N, C), jnp.float32),
                           vmap_method="sequential")
@@ -470,4 +482,5 @@ def latent_attend(q_lat_BNC, q_rope_BNR, c_BSC, r_BSR, mask_BS,
               c_BSC, _scale_operand(c_scale_BS), r_BSR,
               _scale_operand(r_scale_BS), mask_BS.astype(jnp.bool_),
               scale=np.float32(scale),
-              latent_products=np.int64(LATENT_PRODUCTS[latent_products]))
+              latent_products=np.int64(LATENT_PRODUCTS[latent_products]),
+              layer=np.int64(layer or 0))

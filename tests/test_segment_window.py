@@ -1,8 +1,10 @@
 """A decode segment's write-back (`into_cache(cache, view, steps)`): only the
 window of slots each sequence's segment wrote goes back to the stacked
-cache (`layered.written_window`), and the result equals writing the whole
-prefix back, for every segment view, kv dtype and a window that has to
-move left to fit the view."""
+cache (`layered.written_window`), or nothing where the segment read and
+wrote the stacked cache in place (`native_latent.InPlaceLatent`); the
+result equals the XLA layered view's whole prefix written back, for every
+segment view, kv dtype and a window that has to move left to fit the
+view."""
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -97,17 +99,27 @@ class WindowTest(parameterized.TestCase):
     module = VIEWS[view]
     config, cache = _random_cache(view, dtype)
     seg = _segment(config, cache, module)
-    whole = module.into_cache(cache, seg)
-    window = jax.jit(module.into_cache, static_argnums=2)(cache, seg, STEPS)
-    chex.assert_trees_all_equal(window, whole)
+    # The reference: the XLA layered view of the same writes, its whole
+    # prefix written back.
+    latent = isinstance(cache, cache_lib.LatentCache)
+    ref = layered_latent if latent else layered
+    want = ref.into_cache(cache, _segment(config, cache, ref))
+    got = jax.jit(module.into_cache, static_argnums=2)(cache, seg, STEPS)
+    chex.assert_trees_all_equal(got, want)
     # The writes landed (the comparison is not between two untouched
-    # caches), and a window one step short misses the last of them.
-    field = "c_kv" if isinstance(cache, cache_lib.LatentCache) else "k"
-    self.assertFalse(np.array_equal(getattr(whole, field),
+    # caches).
+    field = "c_kv" if latent else "k"
+    self.assertFalse(np.array_equal(getattr(want, field),
                                     getattr(cache, field)))
-    short = module.into_cache(cache, seg, STEPS - 1)
-    self.assertFalse(np.array_equal(getattr(short, field),
-                                    getattr(whole, field)))
+    if isinstance(seg, native_latent.InPlaceLatent):
+      # Read and written in place: nothing to write back.
+      self.assertIs(module.into_cache(cache, seg, STEPS).c_kv,
+                    seg.stacked.c_kv)
+    else:
+      # A window one step short misses the last of the writes.
+      short = module.into_cache(cache, seg, STEPS - 1)
+      self.assertFalse(np.array_equal(getattr(short, field),
+                                      getattr(want, field)))
 
   def test_window_starts(self):
     config, cache = _random_cache("layered", "float32")

@@ -54,6 +54,7 @@ import numpy as np
 from kvjax import cache as cache_lib
 from kvjax import decode
 from kvjax import errors
+from kvjax import native_latent
 from kvjax import packed
 from kvjax import params as params_lib
 from kvjax import quant
@@ -969,6 +970,57 @@ def _loop_on(params, config: ModelConfig, batch: int, state, steps: int,
   return run
 
 
+def segment_copy_seconds(config: ModelConfig, batch: int, context: int, *,
+                         steps: int = 32, kv_dtype: str = "float32",
+                         layout: str = "native", warmup: int = 1,
+                         repeats: int = 5) -> dict[str, Any]:
+  """What a decode segment of `steps` steps over `context` cached tokens
+  pays outside its steps, in `layout`'s view (`decode.segment_view`),
+  timed alternating in one process: the copy in (`from_cache` of the
+  attended slots) and the write back of the whole prefix against the
+  window its steps wrote (`into_cache` with None or `steps`; the cache
+  donated, as `generate` donates it). A view that reads and writes the
+  stacked cache in place (`native_latent.InPlaceLatent`) writes nothing
+  back: its 'in place' is True and only its copy in is timed.
+
+  Returns:
+    {'copy_in', 'whole_back', 'window_back'}: Timing (the last two absent
+    in place), attend, in_place, view_bytes (what the copy in writes),
+    cache_bytes.
+  Raises:
+    ValueError: the layout has no view for this cache (`supports`).
+  """
+  view = decode.segment_view(layout, config.attention)
+  policy = cache_policy(kv_dtype)
+  attend = policy.round_capacity(-(-(context + steps) // decode.ATTEND_MIN)
+                                 * decode.ATTEND_MIN)
+  cache = filled_cache(config, batch, attend, context, policy)
+  why = "no segment view" if view is None else view.supports(cache, attend)
+  if why:
+    raise ValueError(f"segment_copy_seconds: {layout} for {config.attention}"
+                     f" {kv_dtype}: {why}")
+  copy_in = jax.jit(view.from_cache, static_argnums=1)
+  seg = copy_in(cache, attend)
+  in_place = isinstance(seg, native_latent.InPlaceLatent)
+  out = dict(attend=attend, in_place=in_place,
+             cache_bytes=tree_bytes(cache),
+             view_bytes=0 if in_place else tree_bytes(seg))
+  fns = {"copy_in": lambda: copy_in(cache, attend)}
+  if not in_place:
+    back = jax.jit(view.into_cache, static_argnums=2, donate_argnums=0)
+    state = [jax.tree_util.tree_map(jnp.copy, cache)]
+
+    def write_back(n):
+      def run():
+        state[0] = back(state[0], seg, n)
+        return state[0]
+      return run
+
+    fns.update(whole_back=write_back(None), window_back=write_back(steps))
+  out.update(time_alternating(fns, warmup=warmup, repeats=repeats))
+  return out
+
+
 def decode_step_seconds(params, config: ModelConfig, batch: int,
                         position: int, *, steps: int = 8, warmup: int = 1,
                         repeats: int = 5, kv_dtype: str = "float32",
@@ -1722,4 +1774,33 @@ def plot_sweep(result: Mapping[str, Any], path) -> dict[str, Any]:
              loc="upper left", bbox_to_anchor=(1.0, 0.92))
   fig.legend(handles=by_kind, title="cache (line)", fontsize=8,
              loc="lower left", bbox_to_anchor=(1.0, 0.12))
+  return _save_figure(fig, path)
+
+
+def plot_segment_copies(rows: Sequence[Mapping[str, Any]], path
+                        ) -> dict[str, Any]:
+  """A decode segment's copies per point (`experiments/segment_copy.py`'s
+  rows, `segment_copy_seconds` each): bars of the copy in, the whole
+  prefix written back and the window written back, medians in ms."""
+  plt = _pyplot()
+  parts = (("copy_in", "copy in (from_cache)"),
+           ("whole_back", "whole prefix back"),
+           ("window_back", "window back (the steps' slots)"))
+  fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(rows)), 4.2))
+  width = 0.8 / len(parts)
+  for i, (key, label) in enumerate(parts):
+    ms = [1e3 * statistics.median(r[key].seconds) if key in r else 0.0
+          for r in rows]
+    ax.bar([j + (i - 1) * width for j in range(len(rows))], ms, width,
+           label=label)
+  ax.set_xticks(range(len(rows)))
+  ax.set_xticklabels([f"{r['preset']} {r['kv_dtype']}\n{r['layout']}, "
+                      f"{r['context'] // 1024}k"
+                      + (", in place" if r["in_place"] else "")
+                      for r in rows], fontsize=7)
+  ax.set(ylabel="milliseconds per segment",
+         title=f"a decode segment's copies, batch {rows[0]['batch']}, "
+         f"{rows[0]['steps']} steps (medians)")
+  ax.grid(alpha=0.3, axis="y")
+  ax.legend(fontsize=8)
   return _save_figure(fig, path)

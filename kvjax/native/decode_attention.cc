@@ -2313,12 +2313,17 @@ void parallel_for(ffi::ThreadPool& pool, int64_t tasks, const F& task) {
 // Every (sequence, kv head) pair: GQA (qb null: keys [B, K, S/16, D, 16],
 // values [B, K, S, E]) or MLA (K = 1: latents k [B, S, D] as keys and values, E =
 // D, rotary keys v [B, S, R] for the rotary queries qb [B, G, R]).
+// `stride`: slots between one pair's arrays and the next's (0: S), where
+// the arrays hold more slots than the S attended (MLA's stacked latents,
+// read in place).
 template <typename T>
 void attend_all(ffi::ThreadPool& pool, const float* q, const float* qb,
                 const T* k, const float* k_scale, const T* v,
                 const float* v_scale, const bool* mask, float* out, int64_t B,
                 int64_t K, int64_t G, int64_t D, int64_t R, int64_t E,
-                int64_t S, float scale, int64_t bf16_form = kBf16Auto) {
+                int64_t S, float scale, int64_t bf16_form = kBf16Auto,
+                int64_t stride = 0) {
+  if (stride == 0) stride = S;
   // Chunks split the slots when there are fewer (sequence, head) pairs than
   // twice the threads, so that batch 1 uses every core.
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
@@ -2329,16 +2334,16 @@ void attend_all(ffi::ThreadPool& pool, const float* q, const float* qb,
   const int64_t chunk = (S + 16 * chunks - 1) / (16 * chunks) * 16;
   // Elements of T per code: int4 pairs (uint8) hold two.
   constexpr int64_t per = std::is_same_v<T, uint8_t> ? 2 : 1;
-  const int64_t v_pair = S * (qb != nullptr ? R : E) / per;
+  const int64_t v_pair = stride * (qb != nullptr ? R : E) / per;
   std::vector<Partial> parts(pairs * chunks);
   parallel_for(pool, pairs * chunks, [&](int64_t t) {
     const int64_t p = t / chunks, c = t % chunks;
     const int64_t s0 = std::min(S, c * chunk), s1 = std::min(S, s0 + chunk);
     attend_range<T>(q + p * G * D, qb != nullptr ? qb + p * G * R : nullptr,
-                    k + p * D * S / per,
-                    k_scale != nullptr ? k_scale + p * S : nullptr,
+                    k + p * D * stride / per,
+                    k_scale != nullptr ? k_scale + p * stride : nullptr,
                     v + p * v_pair,
-                    v_scale != nullptr ? v_scale + p * S : nullptr,
+                    v_scale != nullptr ? v_scale + p * stride : nullptr,
                     mask + (p / K) * S, G, D, R, E, S, s0, s1, scale,
                     bf16_form, parts[t]);
   });
@@ -2443,47 +2448,64 @@ static ffi::Error DecodeAttentionImpl(
   }
 }
 
-// MLA's absorbed decode attention over per-layer latents:
+// MLA's absorbed decode attention over one layer's latents:
 //   q_lat  f32 [B, N, C]   absorbed queries     q_rope f32 [B, N, R]
-//   c      T   [B, S, C]   latents (keys and values; T f32, bf16 bits or
-//                          s8 codes)
-//   c_scale f32 [B, S]     per-token latent scales (s8; else [0])
-//   r      T   [B, S, R]   rotary keys          mask   pred [B, S]
-//   r_scale f32 [B, S]     per-token rotary-key scales (s8; else [0])
+//   c      T   [B, S', C]  latents (keys and values; T f32, bf16 bits or
+//                          s8 codes), or the stacked [L, B, S', C]
+//   c_scale f32 [B, S']    per-token latent scales (s8; else [0]), or
+//                          [L, B, S']
+//   r      T   [B, S', R]  rotary keys, or [L, B, S', R]
+//   r_scale f32 [B, S']    per-token rotary-key scales (s8; else [0]), or
+//                          [L, B, S']
+//   mask   pred [B, S]     the attended slots [0, S), S <= S'
 //   out    f32 [B, N, C]   the latent output (before W_UV)
 // logits = scale · (q_lat · c + q_rope · r) with codes times their scales:
 // `mla.absorbed_decode` of the dequantized cache. attrs: scale (f32),
-// latent_products (`LatentForm`: 0 auto, 1 AMX tiles, 2 vector).
+// latent_products (`LatentForm`: 0 auto, 1 AMX tiles, 2 vector), layer
+// (which of the stacked arrays' L layers; 0 for per-layer arrays). The
+// stacked form reads a stacked cache in place: no per-layer copy of it.
 static ffi::Error LatentAttentionImpl(
     ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q_lat,
     ffi::Buffer<ffi::F32> q_rope, ffi::AnyBuffer c,
     ffi::Buffer<ffi::F32> c_scale, ffi::AnyBuffer r,
     ffi::Buffer<ffi::F32> r_scale, ffi::Buffer<ffi::PRED> mask,
-    ffi::ResultBuffer<ffi::F32> out, float scale, int64_t latent_products) {
+    ffi::ResultBuffer<ffi::F32> out, float scale, int64_t latent_products,
+    int64_t layer) {
   const auto qd = q_lat.dimensions(), rd = q_rope.dimensions();
   if (latent_products < kLatentAuto || latent_products > kLatentVector)
     return ffi::Error::InvalidArgument("latent_products: 0, 1 or 2");
-  const auto cd = c.dimensions(), kd = r.dimensions();
-  if (qd.size() != 3 || rd.size() != 3 || cd.size() != 3 || kd.size() != 3)
-    return ffi::Error::InvalidArgument("latent operands must be rank 3");
-  const int64_t B = qd[0], N = qd[1], C = qd[2], R = rd[2], S = cd[1];
-  if (rd[0] != B || rd[1] != N || cd[0] != B || cd[2] != C || kd[0] != B ||
-      kd[1] != S || kd[2] != R)
+  const auto cd = c.dimensions(), kd = r.dimensions(), md = mask.dimensions();
+  const size_t rank = cd.size();
+  if (qd.size() != 3 || rd.size() != 3 || (rank != 3 && rank != 4) ||
+      kd.size() != rank || md.size() != 2)
     return ffi::Error::InvalidArgument(
-        "want q_lat [B, N, C], q_rope [B, N, R], c [B, S, C], r [B, S, R]");
+        "latent operands: queries rank 3, latents rank 3 (or 4, stacked), "
+        "mask rank 2");
+  const int64_t L = rank == 4 ? cd[0] : 1;
+  const int64_t B = qd[0], N = qd[1], C = qd[2], R = rd[2];
+  const int64_t cap = cd[rank - 2], S = md[1];
+  if (rd[0] != B || rd[1] != N || cd[rank - 3] != B || cd[rank - 1] != C ||
+      kd[rank - 3] != B || kd[rank - 2] != cap || kd[rank - 1] != R ||
+      (rank == 4 && kd[0] != L))
+    return ffi::Error::InvalidArgument(
+        "want q_lat [B, N, C], q_rope [B, N, R], c [(L,) B, S', C], "
+        "r [(L,) B, S', R]");
+  if (layer < 0 || layer >= L)
+    return ffi::Error::InvalidArgument("layer: one of the latents' L");
   if (c.element_type() != r.element_type())
     return ffi::Error::InvalidArgument("c and r must share a dtype");
-  if (mask.element_count() != B * S)
-    return ffi::Error::InvalidArgument("mask must be [B, S]");
+  if (md[0] != B || S > cap)
+    return ffi::Error::InvalidArgument("mask must be [B, S], S <= S'");
   const bool codes = c.element_type() == ffi::S8;
   const bool scales = c_scale.element_count() > 0;
   if (codes != scales || (r_scale.element_count() > 0) != scales)
     return ffi::Error::InvalidArgument("scales go with int8 codes only");
-  if (scales && (c_scale.element_count() != B * S ||
-                 r_scale.element_count() != B * S))
-    return ffi::Error::InvalidArgument("scales must be [B, S]");
-  const float* cs = scales ? c_scale.typed_data() : nullptr;
-  const float* rs = scales ? r_scale.typed_data() : nullptr;
+  if (scales && (c_scale.element_count() != L * B * cap ||
+                 r_scale.element_count() != L * B * cap))
+    return ffi::Error::InvalidArgument("scales must be [(L,) B, S']");
+  const int64_t at = layer * B * cap;  // the layer's first slot
+  const float* cs = scales ? c_scale.typed_data() + at : nullptr;
+  const float* rs = scales ? r_scale.typed_data() + at : nullptr;
   auto go = [&](auto tag) {
     using T = decltype(tag);
     if (latent_products == kLatentAmx && !amx_latents<T>(kLatentAmx, C, R))
@@ -2492,10 +2514,10 @@ static ffi::Error LatentAttentionImpl(
           "fit them (bfloat16 / int8, C·bytes a multiple of 64, R·bytes of "
           "whole words up to 64)");
     attend_all<T>(pool, q_lat.typed_data(), q_rope.typed_data(),
-                  static_cast<const T*>(c.untyped_data()), cs,
-                  static_cast<const T*>(r.untyped_data()), rs,
+                  static_cast<const T*>(c.untyped_data()) + at * C, cs,
+                  static_cast<const T*>(r.untyped_data()) + at * R, rs,
                   mask.typed_data(), out->typed_data(), B, 1, N, C, R, C, S,
-                  scale, latent_products);
+                  scale, latent_products, cap);
     return ffi::Error::Success();
   };
   switch (c.element_type()) {
@@ -2523,7 +2545,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxLatentAttention, LatentAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::PRED>>()  // mask
                                   .Ret<ffi::Buffer<ffi::F32>>()   // out
                                   .Attr<float>("scale")
-                                  .Attr<int64_t>("latent_products"));
+                                  .Attr<int64_t>("latent_products")
+                                  .Attr<int64_t>("layer"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxDecodeAttention, DecodeAttentionImpl,
                               ffi::Ffi::Bind()
