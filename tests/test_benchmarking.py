@@ -339,6 +339,29 @@ class FilledCacheTest(parameterized.TestCase):
       bm.filled_cache(tiny("gqa"), 1, 8, 9)
 
 
+class SegmentCopyTest(parameterized.TestCase):
+
+  @cases.product(variant=("gqa", "mla"), layout=("layered", "native"))
+  def test_copies_timed_and_what_the_view_writes(self, variant, layout):
+    out = bm.segment_copy_seconds(tiny(variant), 2, 200, steps=4,
+                                  layout=layout, repeats=2)
+    in_place = variant == "mla" and layout == "native"
+    self.assertEqual(out["in_place"], in_place)
+    self.assertEqual(out["attend"], 256)  # 200 + 4 rounded up to 128s
+    self.assertLen(out["copy_in"].seconds, 2)
+    if in_place:  # the stacked cache read and written as it is
+      self.assertEqual(out["view_bytes"], 0)
+      self.assertNotIn("whole_back", out)
+    else:
+      self.assertGreater(out["view_bytes"], 0.9 * out["cache_bytes"])
+      self.assertLen(out["whole_back"].seconds, 2)
+      self.assertLen(out["window_back"].seconds, 2)
+
+  def test_a_layout_without_a_view_is_refused(self):
+    with self.assertRaisesRegex(ValueError, "blocked for mla.*no segment view"):
+      bm.segment_copy_seconds(tiny("mla"), 1, 100, layout="blocked")
+
+
 class DecodeStepsTest(parameterized.TestCase):
 
   # The kernel's view as on an AVX-512 host, whatever this one is.

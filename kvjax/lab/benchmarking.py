@@ -999,13 +999,22 @@ def segment_copy_seconds(config: ModelConfig, batch: int, context: int, *,
   if why:
     raise ValueError(f"segment_copy_seconds: {layout} for {config.attention}"
                      f" {kv_dtype}: {why}")
-  copy_in = jax.jit(view.from_cache, static_argnums=1)
-  seg = copy_in(cache, attend)
+  seg = jax.jit(view.from_cache, static_argnums=1)(cache, attend)
   in_place = isinstance(seg, native_latent.InPlaceLatent)
+
+  @jax.jit
+  def copy_in(c):
+    # What the view makes anew: inside one program (as in generate) a
+    # leaf it passes through from the stacked cache is not copied, where
+    # a jitted from_cache of its own would copy it to its outputs.
+    kept = {id(x) for x in jax.tree_util.tree_leaves(c)}
+    return [x for x in jax.tree_util.tree_leaves(view.from_cache(c, attend))
+            if id(x) not in kept]
+
   out = dict(attend=attend, in_place=in_place,
              cache_bytes=tree_bytes(cache),
              view_bytes=0 if in_place else tree_bytes(seg))
-  fns = {"copy_in": lambda: copy_in(cache, attend)}
+  fns = {"copy_in": lambda: copy_in(cache)}
   if not in_place:
     back = jax.jit(view.into_cache, static_argnums=2, donate_argnums=0)
     state = [jax.tree_util.tree_map(jnp.copy, cache)]
