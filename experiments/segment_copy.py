@@ -14,7 +14,9 @@ native view reads the stacked cache in place and copies nothing
 context, `bm.segment_copy_seconds` times the three in alternating rounds
 in one process (the cache donated to the write back, as generate donates
 it). Prints a line per point, writes segment_copy.json and
-segment_copy.png to --workdir.
+segment_copy.png to --workdir. --host_memory=keep keeps freed buffers
+mapped (`kvjax.allocator`), which separates the copies' page faults from
+their bytes.
 """
 
 import json
@@ -23,6 +25,7 @@ import statistics
 
 from absl import flags
 
+from kvjax import allocator
 from kvjax import cli
 from kvjax import configs as cfg_lib
 from kvjax.lab import benchmarking as bm
@@ -43,6 +46,10 @@ _STEPS = flags.DEFINE_integer("steps", 32, "Decode steps of the segment.",
                               lower_bound=1)
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Alternating timed rounds.",
                                 lower_bound=1)
+_HOST_MEMORY = flags.DEFINE_enum(
+    "host_memory", "system", ["keep", "system"], "Host allocator: 'system' "
+    "(glibc's defaults, as generate runs) or 'keep' (`kvjax.allocator`: "
+    "freed buffers stay mapped, so a fresh view's pages fault in once).")
 _WORKDIR = flags.DEFINE_string("workdir", "workdir/segment_copy",
                                "Output directory.")
 
@@ -54,6 +61,8 @@ def _ms(row, key):
 
 def main(argv):
   del argv
+  if _HOST_MEMORY.value == "keep" and not allocator.keep_host_memory():
+    raise SystemExit("--host_memory=keep: the JAX backend started first")
   os.makedirs(_WORKDIR.value, exist_ok=True)
   rows = []
   for preset in _PRESETS.value:
@@ -69,7 +78,8 @@ def main(argv):
             print(f"{preset} {kind} {layout}: skipped ({e})", flush=True)
             break
           r.update(preset=preset, kv_dtype=kind, layout=layout, context=ctx,
-                   batch=_BATCH.value, steps=_STEPS.value)
+                   batch=_BATCH.value, steps=_STEPS.value,
+                   host_memory=_HOST_MEMORY.value)
           rows.append(r)
           print(f"{preset} b{_BATCH.value} {kind:9s} {layout:8s} ctx {ctx:6d}"
                 f" view {r['view_bytes'] / 1e9:5.2f} GB  ms: copy in"

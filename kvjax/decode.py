@@ -6,7 +6,10 @@
              segment reads: the stacked cache itself, or a per-segment
              view of its prefix (`kvjax.blocked`, `kvjax.layered`,
              `kvjax.layered_latent`, and the native kernel's
-             `kvjax.native_layered`, `kvjax.native_latent`).
+             `kvjax.native_layered`, `kvjax.native_latent`), copied in
+             once per segment (MLA's native view reads the stacked cache
+             in place) and written back as the window of slots the
+             segment's steps wrote (`layered.written_window`).
   run(...)   n decode steps from a token and a cache: `lax.scan` segments
              per the plan, or one `lax.while_loop` that stops when every
              sequence has emitted a stop token. Step i feeds the current

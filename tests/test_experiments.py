@@ -36,7 +36,8 @@ CLI_SCRIPTS = sorted(
         "decode_layout", "error_check_cost", "explain", "generate",
         "llamacpp_peer", "memory_growth",
         "peer_benchmark", "prefill_scaling", "serve", "streaming_eval",
-        "policy_eval", "sink_curves", "train", "train_speed"))
+        "policy_eval", "segment_copy", "sink_curves", "train",
+        "train_speed"))
 
 
 def _run_scripts(runs):
@@ -222,6 +223,33 @@ class CacheLayoutTest(absltest.TestCase):
       self.assertGreater(r["step_s"], 0)
       self.assertEqual(r["context"], 64)
     self.assertIn("layered", proc.stdout)
+
+
+@pytest.mark.slow  # a subprocess that compiles a few copies
+class SegmentCopyTest(absltest.TestCase):
+
+  def test_tiny_run_times_each_view_and_skips_what_has_none(self):
+    with tempfile.TemporaryDirectory() as tmp:
+      proc = subprocess.run(
+          [sys.executable, os.path.join(ROOT, "experiments",
+                                        "segment_copy.py"),
+           "--presets=mla-tiny", "--batch=2", "--contexts=100",
+           "--kv_dtypes=float32,int4", "--layouts=native,blocked",
+           "--steps=4", "--repeats=1", f"--workdir={tmp}"],
+          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+      self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+      with open(os.path.join(tmp, "segment_copy.json")) as f:
+        out = json.load(f)
+      self.assertTrue(os.path.getsize(os.path.join(tmp, "segment_copy.png")))
+    # MLA's float latents are read in place, its int4 ones copied per
+    # layer; no blocked view holds latents.
+    rows = {r["kv_dtype"]: r for r in out["rows"]}
+    self.assertEqual(sorted(rows), ["float32", "int4"])
+    self.assertTrue(rows["float32"]["in_place"])
+    self.assertNotIn("whole_back", rows["float32"])
+    self.assertFalse(rows["int4"]["in_place"])
+    self.assertLen(rows["int4"]["window_back"], 1)
+    self.assertIn("blocked: skipped", proc.stdout)
 
 
 @pytest.mark.slow  # a subprocess that compiles the probe
