@@ -344,7 +344,7 @@ def supports(k_dtype, v_dtype) -> str | None:
 
 def decode_attend(q_BKGD, k_tiles, v, mask_BS, scale: float,
                   k_scale_BKS=None, v_scale_BKS=None,
-                  bf16_products: str = "auto"):
+                  bf16_products: str = "auto", layer: int | None = None):
   """Decode attention of one query token per sequence (module docstring).
 
   Args:
@@ -353,11 +353,13 @@ def decode_attend(q_BKGD, k_tiles, v, mask_BS, scale: float,
       bfloat16 bits, int8 codes or uint8 int4 pairs ([B, K, S/16, D/2,
       16]: the packed bytes tiled).
     v: values [B, K, S, E], stored as the keys are (int4 pairs: [B, K, S,
-      E/2]).
+      E/2]); with `layer`, a stacked cache's [L, B, K, S', E] (S' >= S)
+      read in place: layer `layer`'s first S slots.
     mask_BS: bool, True where a slot may be attended.
     scale: softmax scale.
     k_scale_BKS, v_scale_BKS: float32 per-token scales (int8 and int4
-      codes only).
+      codes only), shaped as the values' slots: [B, K, S], or with
+      `layer` [L, B, K, S'].
     bf16_products: over bfloat16 bits, how the products run: 'dot'
       (vdpbf16ps, where the host has it), 'fma' (float32 multiply-adds) or
       'auto' (`bf16_dot_products`); all three give the same bits.
@@ -388,12 +390,24 @@ def decode_attend(q_BKGD, k_tiles, v, mask_BS, scale: float,
   _check_scales("decode_attend",
                 k_tiles.dtype in (jnp.dtype(jnp.int8), quant.INT4_PAIRS),
                 k_scale_BKS, v_scale_BKS)
-  E = v.shape[3] * per
-  want_v = (B, K, S, E // per)
+  E = v.shape[-1] * per
+  # Per-layer values [B, K, S, E], or with `layer` a stacked cache's [L, B,
+  # K, S', E] whose first S slots the kernel reads in place.
+  lead = v.shape[:1] if layer is not None else ()
+  S_all = v.shape[-2] if lead else S
+  want_v = lead + (B, K, S_all, E // per)
   want_k = (B, K, S // TILE, D // per, TILE)
-  if k_tiles.shape != want_k or v.shape != want_v:
+  if (k_tiles.shape != want_k or v.shape != want_v or S_all < S or
+      (lead and not 0 <= layer < lead[0])):
     raise ValueError(f"decode_attend: keys {k_tiles.shape} (want {want_k}),"
-                     f" values {v.shape} (want {want_v})")
+                     f" values {v.shape} (want {want_v}"
+                     + (f" with S' >= {S}, layer {layer} < L" if lead else "")
+                     + ")")
+  if k_scale_BKS is not None and (k_scale_BKS.shape != want_v[:-1] or
+                                  v_scale_BKS.shape != want_v[:-1]):
+    raise ValueError(f"decode_attend: scales {k_scale_BKS.shape} / "
+                     f"{v_scale_BKS.shape}, want the values' slots "
+                     f"{want_v[:-1]}")
   if mask_BS.shape != (B, S):
     raise ValueError(f"decode_attend: mask {mask_BS.shape}, want {(B, S)}")
   call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((B, K, G, E),
@@ -402,7 +416,8 @@ def decode_attend(q_BKGD, k_tiles, v, mask_BS, scale: float,
   return call(q_BKGD.astype(jnp.float32), k_tiles, _scale_operand(k_scale_BKS),
               v, _scale_operand(v_scale_BKS), mask_BS.astype(jnp.bool_),
               scale=np.float32(scale),
-              bf16_products=np.int64(BF16_PRODUCTS[bf16_products]))
+              bf16_products=np.int64(BF16_PRODUCTS[bf16_products]),
+              layer=np.int64(layer or 0))
 
 
 

@@ -1,18 +1,25 @@
-"""The decode loop's per-layer cache read by the native CPU kernel: the
-layered view (`kvjax.layered`: one array per layer, keys transposed) whose
-attention is `native_attention.decode_attend` instead of XLA's dots.
+"""The decode loop's cache read by the native CPU kernel: keys copied per
+layer into the kernel's tiles, values and scales read and written in the
+stacked cache itself; attention is `native_attention.decode_attend`
+instead of XLA's dots.
 
-  NativeKV   one array per layer, as `layered.LayeredKV` (float32,
-             bfloat16 bits, int8 codes with per-token scales, int4 codes
-             packed two a byte as the stacked cache stores them), in the
-             kernel's layouts: keys L × [B, K, S/16, H, 16] (tiles of 16
-             slots, each tile's H × 16 keys contiguous, int8 in channel
-             quads and bfloat16 in channel pairs, int4 pairs in quads of
-             bytes over [B, K, S/16, H/2, 16]:
-             `native_attention.tile_keys`), values L × [B, K, S, H] for
-             every kind ([B, K, S, H/2] bytes for int4); read as stored:
-             no float32 copy of a bfloat16 or int8 cache, no unpacked copy
-             of an int4 one, no [.., S] logits in memory.
+  NativeKV   k        L × [B, K, S/16, H, 16]  keys in tiles of 16 slots,
+                      each tile's H × 16 keys contiguous (int8 in channel
+                      quads and bfloat16 in channel pairs, int4 pairs in
+                      quads of bytes over [B, K, S/16, H/2, 16]:
+                      `native_attention.tile_keys`): the segment's copy
+             stacked  the segment's `KVCache`: values [L, B, K, S', H]
+                      ([.., H/2] bytes for int4) and the int8 / int4 scales
+                      [L, B, K, S'] of keys and values, read in place (the
+                      layer's first S slots) and written there
+             positions [B, S], length, errors: the segment's
+  Read as stored: no float32 copy of a bfloat16 or int8 cache, no
+  unpacked copy of an int4 one, no [.., S] logits in memory.
+
+Why values in place: they are rows, [S, H] per (sequence, head), in the
+stacked cache as the kernel reads them (its stride per head is the
+cache's S' slots), so a segment copies only its keys into tiles, half of
+a float cache's prefix (WORKSPACE.md "A decode segment's copies").
 
 Why tiles: with keys transposed whole ([H, S] per head, the layered
 view's layout for XLA's `q K^T`), 16 slots' keys are H rows S apart, and
@@ -54,17 +61,25 @@ NATIVE_DTYPES = ("float32", "bfloat16", "int8", "int4")
 
 
 @struct.dataclass
-class NativeKV(layered.LayeredKV):
-  """`layered.LayeredKV`'s fields in the kernel's layouts (module
-  docstring): k L × [B, K, S/16, H, 16], v L × [B, K, S, H]."""
+class NativeKV:
+  """A segment's keys in the kernel's tiles and its stacked `KVCache`,
+  whose values and scales the kernel reads in place (module docstring):
+  the model updates positions [B, S], length and errors here."""
+
+  k: tuple
+  stacked: cache_lib.KVCache
+  positions: jax.Array
+  length: jax.Array
+  errors: jax.Array | None = None
+  scores = None  # no h2o: the fields the decode step reads of any cache
 
   @property
-  def transposed(self) -> bool:  # values: never transposed
-    return False
+  def policy(self) -> cache_lib.CachePolicy:
+    return self.stacked.policy
 
   @property
   def capacity(self) -> int:
-    return self.v[0].shape[2]
+    return self.positions.shape[1]
 
 
 def supports(cache, attend: int) -> str | None:
@@ -92,7 +107,8 @@ def supports(cache, attend: int) -> str | None:
 
 
 def from_cache(cache: cache_lib.KVCache, attend: int) -> NativeKV:
-  """The first `attend` slots of `cache` as a NativeKV.
+  """The first `attend` slots of `cache` as a NativeKV: its keys copied into
+  tiles, the rest read in place.
 
   Raises:
     ValueError: `supports` says why not.
@@ -104,29 +120,28 @@ def from_cache(cache: cache_lib.KVCache, attend: int) -> NativeKV:
   return NativeKV(
       k=tuple(map(native_attention.tile_keys,
                   layered.layer_slices(cache.k, attend, unpack=False))),
-      v=layered.layer_slices(cache.v, attend, unpack=False),
-      k_scale=layered.layer_slices(cache.k_scale, attend),
-      v_scale=layered.layer_slices(cache.v_scale, attend),
-      positions=cache.positions[:, :attend], length=cache.length,
-      errors=cache.errors, policy=cache.policy)
+      stacked=cache, positions=cache.positions[:, :attend],
+      length=cache.length, errors=cache.errors)
 
 
 def into_cache(cache: cache_lib.KVCache, view: NativeKV,
                steps: int | None = None) -> cache_lib.KVCache:
-  """`cache` with the slots a segment of `steps` decode steps wrote
-  (`layered.written_window`; None: its first S slots), positions and
-  lengths from `view` (the inverse of `from_cache`)."""
+  """The segment's stacked cache (values and scales written in place) with
+  the keys its `steps` decode steps wrote (`layered.written_window`; None:
+  its first S slots) back from the tiles, positions and lengths from
+  `view` (the inverse of `from_cache`)."""
   at_B = layered.written_window(cache, view, steps)
   if at_B is None:
-    return layered.write_back(
-        cache, view, tuple(map(native_attention.untile_keys, view.k)),
-        view.v, packed=True)
-  return layered.write_back(
-      cache, view,
-      tuple(layered.tile_window(x, at_B, steps, native_attention.untile_keys)
-            for x in view.k),
-      tuple(layered.slot_window(x, at_B, steps, 2) for x in view.v),
-      packed=True, at_B=at_B)
+    keys = tuple(map(native_attention.untile_keys, view.k))
+  else:
+    keys = tuple(layered.tile_window(x, at_B, steps,
+                                     native_attention.untile_keys)
+                 for x in view.k)
+  S = view.capacity
+  return view.stacked.replace(
+      k=layered.put_window(view.stacked.k, keys, at_B, 3),
+      positions=cache.positions.at[:, :S].set(view.positions),
+      length=view.length, errors=view.errors)
 
 
 def _put_key(tiles, s_B, new_BKH):
@@ -152,35 +167,47 @@ def _put_key(tiles, s_B, new_BKH):
 
 def write(view: NativeKV, layer: int, slots_BT, k_BTKH, v_BTKH) -> NativeKV:
   """Stores one decode token per sequence (T = 1) of static `layer` at
-  `slots` [B, 1] (slot = S: dropped), quantized as the stacked cache
-  stores it."""
+  `slots` [B, 1] (slot = S, past the segment: dropped), quantized as the
+  stacked cache stores it: the key into its tile, the value and the scales
+  into the stacked cache."""
   B, T = slots_BT.shape
   if T != 1:
     raise ValueError(f"NativeKV holds decode steps only (T = 1), got T={T}")
-  storage = quant.storage_dtype(view.policy.kv_dtype)
-  s_B = slots_BT[:, 0]
-  new = {}
-  for name, x_BKH in (("k", k_BTKH[:, 0]), ("v", v_BTKH[:, 0])):
-    codes_BKH, scale_BK = quant.quantize(x_BKH, storage)  # int4: packed
-    arrs = list(getattr(view, name))
-    arrs[layer] = (_put_key(arrs[layer], s_B, codes_BKH) if name == "k" else
-                   layered.put_slot(arrs[layer], s_B, codes_BKH, 2))
-    new[name] = tuple(arrs)
-    if scale_BK is not None:
-      scales = list(getattr(view, name + "_scale"))
-      scales[layer] = layered.put_slot(scales[layer], s_B, scale_BK, 2)
-      new[name + "_scale"] = tuple(scales)
-  return view.replace(**new)
+  st = view.stacked
+  k_q, k_s = quant.quantize(k_BTKH, st.k.dtype)  # int4: packed
+  v_q, v_s = quant.quantize(v_BTKH, st.v.dtype)
+  # Past the segment: the stacked cache's own dropped slot, as the tiles
+  # drop slot S.
+  slots_BT = jnp.where(slots_BT < view.capacity, slots_BT, st.capacity)
+
+  def put(arr, new_BT):
+    return cache_lib.scatter_tokens(arr, layer, slots_BT, new_BT, 3)
+
+  new = dict(v=put(st.v, v_q))
+  if k_s is not None:
+    new.update(k_scale=put(st.k_scale, k_s), v_scale=put(st.v_scale, v_s))
+  keys = list(view.k)
+  keys[layer] = _put_key(keys[layer], jnp.minimum(slots_BT[:, 0],
+                                                  view.capacity), k_q[:, 0])
+  return view.replace(k=tuple(keys), stacked=st.replace(**new))
 
 
 def read(view: NativeKV, layer: int, dtype, prefix: int = 0):
-  """One layer's keys and values as stored (`layered.Int8Rows` for int8
-  codes and int4 pairs; float32 or bfloat16-bit arrays otherwise)."""
-  del dtype, prefix  # read as stored; the segment's copy is its prefix
-  if view.k_scale is not None:
-    return (layered.Int8Rows(view.k[layer], view.k_scale[layer]),
-            layered.Int8Rows(view.v[layer], view.v_scale[layer]))
-  return view.k[layer], view.v[layer]
+  """One layer's keys (tiles) and the stacked values as the kernel reads
+  them (`LayerValues`)."""
+  del dtype, prefix  # read as stored; the mask gives the segment's slots
+  st = view.stacked
+  return view.k[layer], LayerValues(st.v, st.k_scale, st.v_scale, layer)
+
+
+@struct.dataclass
+class LayerValues:
+  """A layer of the stacked values read in place: v [L, B, K, S', H], the
+  int8 / int4 scales [L, B, K, S'] (else None), the layer."""
+  v: jax.Array
+  k_scale: jax.Array | None
+  v_scale: jax.Array | None
+  layer: int = struct.field(pytree_node=False)
 
 
 def _attend(q_BTKGH, keys, values, mask_BKTS, scale: float,
@@ -192,15 +219,9 @@ def _attend(q_BTKGH, keys, values, mask_BKTS, scale: float,
   if T != 1 or mask_BKTS.shape[1] != 1:
     raise ValueError(f"NativeKV attends decode steps (T = 1) with one mask "
                      f"for every head, got T={T}, mask {mask_BKTS.shape}")
-  mask_BS = mask_BKTS[:, 0, 0]
-  q_BKGH = q_BTKGH[:, 0]
-  if isinstance(keys, layered.Int8Rows):
-    out_BKGH = native_attention.decode_attend(
-        q_BKGH, keys.codes, values.codes, mask_BS, scale, keys.scale,
-        values.scale)
-  else:
-    out_BKGH = native_attention.decode_attend(q_BKGH, keys, values, mask_BS,
-                                              scale)
+  out_BKGH = native_attention.decode_attend(
+      q_BTKGH[:, 0], keys, values.v, mask_BKTS[:, 0, 0], scale,
+      values.k_scale, values.v_scale, layer=values.layer)
   return out_BKGH[:, None].astype(q_BTKGH.dtype), None
 
 

@@ -614,10 +614,49 @@ class NativeViewTest(parameterized.TestCase):
     # stored code by one step, hence the storage's tolerance.
     assert_close(logits, ref_logits, tiny(variant), cache=kv)
 
+  @cases.product(form=FORMS, slow=lambda form: form in ("bfloat16", "int4"))
+  def test_stacked_values_read_in_place_equal_a_layer_of_them(self, form):
+    # decode_attend(layer=l) over a stacked cache's values [L, B, K, S', E]
+    # (and scales) reads layer l's first S slots: the per-layer call's bits.
+    B, K, G, D, S_all, S = 2, 2, 3, 32, 64, 32
+    layers = [operands(form, B, K, G, D, D, S_all, seed=i) for i in range(3)]
+    q, kt, v, ks, vs = layers[1][:5]
+    mask = jnp.asarray(np.random.default_rng(5).random((B, S)) < 0.9)
+    keys = kt[:, :, :S // native_attention.TILE]
+    want = native_attention.decode_attend(
+        q, keys, v[:, :, :S], mask, 0.3,
+        None if ks is None else ks[..., :S],
+        None if vs is None else vs[..., :S])
+    stack = lambda i: (None if layers[0][i] is None else
+                       jnp.stack([jnp.asarray(x[i]) for x in layers]))
+    got = native_attention.decode_attend(q, keys, stack(2), mask, 0.3,
+                                         stack(3), stack(4), layer=1)
+    np.testing.assert_array_equal(got, want)
+    with self.assertRaisesRegex(ValueError, "layer 3 < L"):
+      native_attention.decode_attend(q, keys, stack(2), mask, 0.3, stack(3),
+                                     stack(4), layer=3)
+
+  @cases.product(form=("float32", "bfloat16", "int8"))
+  def test_stacked_latents_read_in_place_equal_a_layer_of_them(self, form):
+    B, N, C, R, S_all, S = 2, 4, 32, 8, 64, 40
+    layers = [latent_operands(form, B, N, C, R, S_all,
+                              np.random.default_rng(i)) for i in range(3)]
+    q_lat, q_rope, c, r, sc = layers[1][:5]
+    mask = jnp.asarray(np.random.default_rng(5).random((B, S)) < 0.9)
+    want = native_attention.latent_attend(
+        q_lat, q_rope, c[:, :S], r[:, :S], mask, 0.3,
+        **{k: x[:, :S] for k, x in sc.items()})
+    stack = lambda get: jnp.stack([jnp.asarray(get(x)) for x in layers])
+    got = native_attention.latent_attend(
+        q_lat, q_rope, stack(lambda x: x[2]), stack(lambda x: x[3]), mask,
+        0.3, **{k: stack(lambda x, k=k: x[4][k]) for k in sc}, layer=1)
+    np.testing.assert_array_equal(got, want)
+
   def test_int4_view_holds_the_stored_pairs(self):
-    # The kernel's view of an int4 cache keeps its pairs as stored (uint8,
-    # H/2 bytes a slot: half an int8 view's code bytes), and writing it
-    # back gives the cache bit for bit.
+    # The kernel's view of an int4 cache keeps its key pairs as stored
+    # (uint8, H/2 bytes a slot: half an int8 view's code bytes) and reads
+    # its values in the cache itself; writing it back gives the cache bit
+    # for bit.
     config = tiny("gqa")
     cache = cache_lib.init_cache(
         config, 2, 64, policy=cache_lib.CachePolicy(kv_dtype="int4"))
@@ -630,7 +669,7 @@ class NativeViewTest(parameterized.TestCase):
     self.assertLen(view.k, L)
     self.assertEqual(view.k[0].dtype, quant.INT4_PAIRS)
     self.assertEqual(view.k[0].shape, (B, K, 2, H2, 16))
-    self.assertEqual(view.v[0].shape, (B, K, 32, H2))
+    self.assertIs(view.stacked.v, cache.v)  # values read in place
     back = native_layered.into_cache(cache, view)
     np.testing.assert_array_equal(np.asarray(back.k), np.asarray(cache.k))
     np.testing.assert_array_equal(np.asarray(back.v), np.asarray(cache.v))

@@ -115,6 +115,12 @@ class WindowTest(parameterized.TestCase):
       # Read and written in place: nothing to write back.
       self.assertIs(module.into_cache(cache, seg, STEPS).c_kv,
                     seg.stacked.c_kv)
+    elif isinstance(seg, native_layered.NativeKV):
+      # Values written in place; a key window one step short misses the
+      # last of the key writes.
+      self.assertIs(module.into_cache(cache, seg, STEPS).v, seg.stacked.v)
+      short = module.into_cache(cache, seg, STEPS - 1)
+      self.assertFalse(np.array_equal(short.k, want.k))
     else:
       # A window one step short misses the last of the writes.
       short = module.into_cache(cache, seg, STEPS - 1)

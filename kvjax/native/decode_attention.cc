@@ -2313,17 +2313,19 @@ void parallel_for(ffi::ThreadPool& pool, int64_t tasks, const F& task) {
 // Every (sequence, kv head) pair: GQA (qb null: keys [B, K, S/16, D, 16],
 // values [B, K, S, E]) or MLA (K = 1: latents k [B, S, D] as keys and values, E =
 // D, rotary keys v [B, S, R] for the rotary queries qb [B, G, R]).
-// `stride`: slots between one pair's arrays and the next's (0: S), where
-// the arrays hold more slots than the S attended (MLA's stacked latents,
-// read in place).
+// `stride`: slots between one pair's values (and scales) and the next's
+// (0: S), where the arrays hold more slots than the S attended (a stacked
+// cache read in place: MLA's latents, the GQA family's values); `k_stride`
+// the keys' (0: `stride`; the GQA family's per-layer key tiles: S).
 template <typename T>
 void attend_all(ffi::ThreadPool& pool, const float* q, const float* qb,
                 const T* k, const float* k_scale, const T* v,
                 const float* v_scale, const bool* mask, float* out, int64_t B,
                 int64_t K, int64_t G, int64_t D, int64_t R, int64_t E,
                 int64_t S, float scale, int64_t bf16_form = kBf16Auto,
-                int64_t stride = 0) {
+                int64_t stride = 0, int64_t k_stride = 0) {
   if (stride == 0) stride = S;
+  if (k_stride == 0) k_stride = stride;
   // Chunks split the slots when there are fewer (sequence, head) pairs than
   // twice the threads, so that batch 1 uses every core.
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
@@ -2340,7 +2342,7 @@ void attend_all(ffi::ThreadPool& pool, const float* q, const float* qb,
     const int64_t p = t / chunks, c = t % chunks;
     const int64_t s0 = std::min(S, c * chunk), s1 = std::min(S, s0 + chunk);
     attend_range<T>(q + p * G * D, qb != nullptr ? qb + p * G * R : nullptr,
-                    k + p * D * stride / per,
+                    k + p * D * k_stride / per,
                     k_scale != nullptr ? k_scale + p * stride : nullptr,
                     v + p * v_pair,
                     v_scale != nullptr ? v_scale + p * stride : nullptr,
@@ -2368,30 +2370,41 @@ void attend_all(ffi::ThreadPool& pool, const float* q, const float* qb,
   }
 }
 
+// Values (and scales) `stride` slots apart per (sequence, head), keys in
+// per-layer tiles of S slots; `at`: the values' layer's first element.
 template <typename T>
 ffi::Error run(ffi::ThreadPool& pool, const float* q, const void* k,
                const float* ks, const void* v, const float* vs,
                const bool* mask, float* out, int64_t B, int64_t K, int64_t G,
                int64_t D, int64_t E, int64_t S, float scale,
-               int64_t bf16_form) {
+               int64_t bf16_form, int64_t stride, int64_t at) {
   attend_all<T>(pool, q, nullptr, static_cast<const T*>(k), ks,
-                static_cast<const T*>(v), vs, mask, out, B, K, G, D, 0, E, S,
-                scale, bf16_form);
+                static_cast<const T*>(v) + at, vs, mask, out, B, K, G, D, 0,
+                E, S, scale, bf16_form, stride, S);
   return ffi::Error::Success();
 }
 
 }  // namespace
 
+// Values v [B, K, S, E] (scales [B, K, S]) per layer, or a stacked cache's
+// [L, B, K, S', E] (scales [L, B, K, S']) read in place, layer `layer`'s
+// first S slots (S the keys'); keys always per layer, in tiles.
 static ffi::Error DecodeAttentionImpl(
     ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
     ffi::Buffer<ffi::F32> k_scale, ffi::AnyBuffer v,
     ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::PRED> mask,
-    ffi::ResultBuffer<ffi::F32> out, float scale, int64_t bf16_products) {
-  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+    ffi::ResultBuffer<ffi::F32> out, float scale, int64_t bf16_products,
+    int64_t layer) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd_all = v.dimensions();
   if (bf16_products < kBf16Auto || bf16_products > kBf16Fma)
     return ffi::Error::InvalidArgument("bf16_products: 0, 1 or 2");
-  if (qd.size() != 4 || vd.size() != 4)
-    return ffi::Error::InvalidArgument("q and v must be rank 4");
+  if (qd.size() != 4 || (vd_all.size() != 4 && vd_all.size() != 5))
+    return ffi::Error::InvalidArgument(
+        "q must be rank 4, v rank 4 (or 5, stacked)");
+  const int64_t L = vd_all.size() == 5 ? vd_all[0] : 1;
+  const auto vd = vd_all.last(4);  // [B, K, S', E]
+  if (layer < 0 || layer >= L)
+    return ffi::Error::InvalidArgument("layer: one of the values' L");
   if (kd.size() != 5 || kd[4] != kLanes)
     return ffi::Error::InvalidArgument("k must be [B, K, S/16, D, 16]");
   // int4 pairs (u8) hold two codes a byte: keys [B, K, S/16, D/2, 16],
@@ -2410,38 +2423,43 @@ static ffi::Error DecodeAttentionImpl(
     return ffi::Error::InvalidArgument("int4 keys: D must be a multiple of 8");
   if (k.element_type() == ffi::U16 && D % 2 != 0)
     return ffi::Error::InvalidArgument("bfloat16 keys: D must be even");
-  if (vd[0] != B || vd[1] != K || vd[2] != S)
+  const int64_t cap = vd[2];  // the values' slots per (sequence, head)
+  if (vd[0] != B || vd[1] != K || (vd_all.size() == 4 ? cap != S : cap < S))
     return ffi::Error::InvalidArgument(
-        nibbles ? "int4 v must be [B, K, S, E/2]" : "v must be [B, K, S, E]");
+        nibbles ? "int4 v must be [(L,) B, K, S, E/2]"
+                : "v must be [(L,) B, K, S, E] (stacked: S' >= S slots)");
   if (k.element_type() != v.element_type())
     return ffi::Error::InvalidArgument("k and v must share a dtype");
   const bool codes = k.element_type() == ffi::S8 || nibbles;
   const bool scales = k_scale.element_count() > 0;
   if (codes != scales || (v_scale.element_count() > 0) != scales)
     return ffi::Error::InvalidArgument("scales go with int8 / int4 codes only");
-  if (scales && (k_scale.element_count() != B * K * S ||
-                 v_scale.element_count() != B * K * S))
-    return ffi::Error::InvalidArgument("scales must be [B, K, S]");
+  if (scales && (k_scale.element_count() != L * B * K * cap ||
+                 v_scale.element_count() != L * B * K * cap))
+    return ffi::Error::InvalidArgument("scales must be the values' [(L,) B, "
+                                       "K, S']");
   if (mask.element_count() != B * S)
     return ffi::Error::InvalidArgument("mask must be [B, S]");
-  const float* ks = scales ? k_scale.typed_data() : nullptr;
-  const float* vs = scales ? v_scale.typed_data() : nullptr;
+  const int64_t at = layer * B * K * cap;  // the layer's first slot
+  const int64_t at_v = at * (E / per);     // its first value element
+  const float* ks = scales ? k_scale.typed_data() + at : nullptr;
+  const float* vs = scales ? v_scale.typed_data() + at : nullptr;
   const float* qp = q.typed_data();
   const bool* mp = mask.typed_data();
   float* op = out->typed_data();
   switch (k.element_type()) {
     case ffi::F32:
       return run<float>(pool, qp, k.untyped_data(), ks, v.untyped_data(), vs,
-                        mp, op, B, K, G, D, E, S, scale, bf16_products);
+                        mp, op, B, K, G, D, E, S, scale, bf16_products, cap, at_v);
     case ffi::U16:  // bfloat16 bits (kvjax.quant stores bfloat16 so)
       return run<uint16_t>(pool, qp, k.untyped_data(), ks, v.untyped_data(),
-                           vs, mp, op, B, K, G, D, E, S, scale, bf16_products);
+                           vs, mp, op, B, K, G, D, E, S, scale, bf16_products, cap, at_v);
     case ffi::S8:
       return run<int8_t>(pool, qp, k.untyped_data(), ks, v.untyped_data(), vs,
-                         mp, op, B, K, G, D, E, S, scale, bf16_products);
+                         mp, op, B, K, G, D, E, S, scale, bf16_products, cap, at_v);
     case ffi::U8:  // int4 pairs (kvjax.quant.INT4_PAIRS)
       return run<uint8_t>(pool, qp, k.untyped_data(), ks, v.untyped_data(),
-                          vs, mp, op, B, K, G, D, E, S, scale, bf16_products);
+                          vs, mp, op, B, K, G, D, E, S, scale, bf16_products, cap, at_v);
     default:
       return ffi::Error::InvalidArgument(
           "k: f32, u16 (bfloat16 bits), s8 or u8 (int4 pairs)");
@@ -2559,7 +2577,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxDecodeAttention, DecodeAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::PRED>>()  // mask
                                   .Ret<ffi::Buffer<ffi::F32>>()   // out
                                   .Attr<float>("scale")
-                                  .Attr<int64_t>("bf16_products"));
+                                  .Attr<int64_t>("bf16_products")
+                                  .Attr<int64_t>("layer"));
 
 // Whether the bfloat16 products of tiles of `kMeasuredFromRows` or more
 // query rows run as vdpbf16ps where the caller leaves the form to the
