@@ -5,15 +5,17 @@ into its view and the write back.
       --batch=8 --contexts=8192,16384 --kv_dtypes=float32,int8 \
       --layouts=native,layered --workdir=workdir/segment_copy
 
-A `generate` decode segment reads a per-layer view of the stacked cache
-(`kvjax.decode`): it copies the attended prefix in (`from_cache`), runs
-its steps, and writes back (`into_cache`) either the whole prefix or only
-the window of slots its steps wrote (`layered.written_window`); MLA's
-native view reads the stacked cache in place and copies nothing
-(`native_latent.InPlaceLatent`). For each preset × kv dtype × layout ×
-context, `bm.segment_copy_seconds` times the three in alternating rounds
-in one process (the cache donated to the write back, as generate donates
-it). Prints a line per point, writes segment_copy.json and
+A `generate` decode segment reads a view of the stacked cache
+(`kvjax.decode`): it copies in what the view holds apart (`from_cache`:
+the native view's key tiles, the layered view's per-layer arrays; MLA's
+native view and the native view's values read the stacked cache in
+place), runs its steps, and writes back (`into_cache`) either the whole
+prefix or only the window of slots its steps wrote
+(`layered.written_window`). For each preset × kv dtype × layout ×
+context, `bm.segment_copy_seconds` times the copy in, and the copy in
+with each write back, as programs of their own with the cache donated
+(as generate donates it), in alternating rounds in one process. Prints a
+line per point, writes segment_copy.json and
 segment_copy.png to --workdir. --host_memory=keep keeps freed buffers
 mapped (`kvjax.allocator`), which separates the copies' page faults from
 their bytes.
@@ -55,8 +57,7 @@ _WORKDIR = flags.DEFINE_string("workdir", "workdir/segment_copy",
 
 
 def _ms(row, key):
-  return (f"{1e3 * statistics.median(row[key].seconds):8.1f}" if key in row
-          else "       -")
+  return f"{1e3 * statistics.median(row[key].seconds):8.1f}"
 
 
 def main(argv):
@@ -82,9 +83,9 @@ def main(argv):
                    host_memory=_HOST_MEMORY.value)
           rows.append(r)
           print(f"{preset} b{_BATCH.value} {kind:9s} {layout:8s} ctx {ctx:6d}"
-                f" view {r['view_bytes'] / 1e9:5.2f} GB  ms: copy in"
-                f"{_ms(r, 'copy_in')}  whole back{_ms(r, 'whole_back')}  "
-                f"window back{_ms(r, 'window_back')}"
+                f" made {r['view_bytes'] / 1e9:5.2f} GB  ms: copy in"
+                f"{_ms(r, 'copy_in')}  + whole back{_ms(r, 'whole_trip')}  "
+                f"+ window back{_ms(r, 'window_trip')}"
                 + ("  (in place)" if r["in_place"] else ""), flush=True)
   if not rows:
     raise SystemExit("no point could run (every combination was skipped)")

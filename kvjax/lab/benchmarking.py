@@ -54,7 +54,6 @@ import numpy as np
 from kvjax import cache as cache_lib
 from kvjax import decode
 from kvjax import errors
-from kvjax import native_latent
 from kvjax import packed
 from kvjax import params as params_lib
 from kvjax import quant
@@ -976,17 +975,17 @@ def segment_copy_seconds(config: ModelConfig, batch: int, context: int, *,
                          repeats: int = 5) -> dict[str, Any]:
   """What a decode segment of `steps` steps over `context` cached tokens
   pays outside its steps, in `layout`'s view (`decode.segment_view`),
-  timed alternating in one process: the copy in (`from_cache` of the
-  attended slots) and the write back of the whole prefix against the
-  window its steps wrote (`into_cache` with None or `steps`; the cache
-  donated, as `generate` donates it). A view that reads and writes the
-  stacked cache in place (`native_latent.InPlaceLatent`) writes nothing
-  back: its 'in place' is True and only its copy in is timed.
+  timed alternating in one process, each as one program with the cache
+  donated (as in `generate`, where a leaf the view passes through from the
+  stacked cache is not copied): the copy in (what `from_cache` of the
+  attended slots makes anew), and the copy in with the write back of the
+  whole prefix or of the window its steps wrote (`into_cache` with None
+  or `steps`). The write back is the difference of the two.
 
   Returns:
-    {'copy_in', 'whole_back', 'window_back'}: Timing (the last two absent
-    in place), attend, in_place, view_bytes (what the copy in writes),
-    cache_bytes.
+    {'copy_in', 'whole_trip', 'window_trip'}: Timing; attend; view_bytes
+    (what the copy in makes anew); cache_bytes; in_place (the view makes
+    less than 1 % of the cache anew: it reads the stacked cache itself).
   Raises:
     ValueError: the layout has no view for this cache (`supports`).
   """
@@ -999,34 +998,30 @@ def segment_copy_seconds(config: ModelConfig, batch: int, context: int, *,
   if why:
     raise ValueError(f"segment_copy_seconds: {layout} for {config.attention}"
                      f" {kv_dtype}: {why}")
-  seg = jax.jit(view.from_cache, static_argnums=1)(cache, attend)
-  in_place = isinstance(seg, native_latent.InPlaceLatent)
 
   @jax.jit
   def copy_in(c):
-    # What the view makes anew: inside one program (as in generate) a
-    # leaf it passes through from the stacked cache is not copied, where
-    # a jitted from_cache of its own would copy it to its outputs.
     kept = {id(x) for x in jax.tree_util.tree_leaves(c)}
     return [x for x in jax.tree_util.tree_leaves(view.from_cache(c, attend))
             if id(x) not in kept]
 
-  out = dict(attend=attend, in_place=in_place,
-             cache_bytes=tree_bytes(cache),
-             view_bytes=0 if in_place else tree_bytes(seg))
-  fns = {"copy_in": lambda: copy_in(cache)}
-  if not in_place:
-    back = jax.jit(view.into_cache, static_argnums=2, donate_argnums=0)
-    state = [jax.tree_util.tree_map(jnp.copy, cache)]
+  trip = jax.jit(lambda c, n: view.into_cache(c, view.from_cache(c, attend),
+                                               n),
+                 static_argnums=1, donate_argnums=0)
+  state = [jax.tree_util.tree_map(jnp.copy, cache)]
 
-    def write_back(n):
-      def run():
-        state[0] = back(state[0], seg, n)
-        return state[0]
-      return run
+  def round_trip(n):
+    def run():
+      state[0] = trip(state[0], n)
+      return state[0]
+    return run
 
-    fns.update(whole_back=write_back(None), window_back=write_back(steps))
-  out.update(time_alternating(fns, warmup=warmup, repeats=repeats))
+  made = tree_bytes(copy_in(cache))
+  out = dict(attend=attend, cache_bytes=tree_bytes(cache), view_bytes=made,
+             in_place=made < 0.01 * tree_bytes(cache))
+  out.update(time_alternating(
+      {"copy_in": lambda: copy_in(cache), "whole_trip": round_trip(None),
+       "window_trip": round_trip(steps)}, warmup=warmup, repeats=repeats))
   return out
 
 
@@ -1789,17 +1784,16 @@ def plot_sweep(result: Mapping[str, Any], path) -> dict[str, Any]:
 def plot_segment_copies(rows: Sequence[Mapping[str, Any]], path
                         ) -> dict[str, Any]:
   """A decode segment's copies per point (`experiments/segment_copy.py`'s
-  rows, `segment_copy_seconds` each): bars of the copy in, the whole
-  prefix written back and the window written back, medians in ms."""
+  rows, `segment_copy_seconds` each): bars of the copy in, and of the copy
+  in with the whole prefix or the window written back, medians in ms."""
   plt = _pyplot()
   parts = (("copy_in", "copy in (from_cache)"),
-           ("whole_back", "whole prefix back"),
-           ("window_back", "window back (the steps' slots)"))
+           ("whole_trip", "copy in + whole prefix back"),
+           ("window_trip", "copy in + window back (the steps' slots)"))
   fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(rows)), 4.2))
   width = 0.8 / len(parts)
   for i, (key, label) in enumerate(parts):
-    ms = [1e3 * statistics.median(r[key].seconds) if key in r else 0.0
-          for r in rows]
+    ms = [1e3 * statistics.median(r[key].seconds) for r in rows]
     ax.bar([j + (i - 1) * width for j in range(len(rows))], ms, width,
            label=label)
   ax.set_xticks(range(len(rows)))
