@@ -12,9 +12,9 @@ native view and the native view's values read the stacked cache in
 place), runs its steps, and writes back (`into_cache`) either the whole
 prefix or only the window of slots its steps wrote
 (`layered.written_window`). For each preset × kv dtype × layout ×
-context, `bm.segment_copy_seconds` times the copy in, and the copy in
-with each write back, as programs of their own with the cache donated
-(as generate donates it), in alternating rounds in one process. Prints a
+context, `bm.segment_copy_seconds` times the copy in and each write back
+(into the donated cache, as generate donates it) in alternating rounds
+in one process. Prints a
 line per point, writes segment_copy.json and
 segment_copy.png to --workdir. --host_memory=keep keeps freed buffers
 mapped (`kvjax.allocator`), which separates the copies' page faults from
@@ -84,8 +84,8 @@ def main(argv):
           rows.append(r)
           print(f"{preset} b{_BATCH.value} {kind:9s} {layout:8s} ctx {ctx:6d}"
                 f" made {r['view_bytes'] / 1e9:5.2f} GB  ms: copy in"
-                f"{_ms(r, 'copy_in')}  + whole back{_ms(r, 'whole_trip')}  "
-                f"+ window back{_ms(r, 'window_trip')}"
+                f"{_ms(r, 'copy_in')}  whole back{_ms(r, 'whole_back')}  "
+                f"window back{_ms(r, 'window_back')}"
                 + ("  (in place)" if r["in_place"] else ""), flush=True)
   if not rows:
     raise SystemExit("no point could run (every combination was skipped)")

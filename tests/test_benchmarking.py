@@ -346,7 +346,7 @@ class SegmentCopyTest(parameterized.TestCase):
     out = bm.segment_copy_seconds(tiny(variant), 2, 200, steps=4,
                                   layout=layout, repeats=2)
     self.assertEqual(out["attend"], 256)  # 200 + 4 rounded up to 128s
-    for key in ("copy_in", "whole_trip", "window_trip"):
+    for key in ("copy_in", "whole_back", "window_back"):
       self.assertLen(out[key].seconds, 2)
     # MLA's native view reads the stacked cache in place; the GQA family's
     # copies its keys into tiles (values in place); the layered views copy

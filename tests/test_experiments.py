@@ -248,7 +248,7 @@ class SegmentCopyTest(absltest.TestCase):
     self.assertTrue(rows["float32"]["in_place"])
     self.assertFalse(rows["int4"]["in_place"])
     for r in rows.values():
-      self.assertLen(r["window_trip"], 1)
+      self.assertLen(r["window_back"], 1)
     self.assertIn("blocked: skipped", proc.stdout)
 
 

@@ -975,17 +975,19 @@ def segment_copy_seconds(config: ModelConfig, batch: int, context: int, *,
                          repeats: int = 5) -> dict[str, Any]:
   """What a decode segment of `steps` steps over `context` cached tokens
   pays outside its steps, in `layout`'s view (`decode.segment_view`),
-  timed alternating in one process, each as one program with the cache
-  donated (as in `generate`, where a leaf the view passes through from the
-  stacked cache is not copied): the copy in (what `from_cache` of the
-  attended slots makes anew), and the copy in with the write back of the
-  whole prefix or of the window its steps wrote (`into_cache` with None
-  or `steps`). The write back is the difference of the two.
+  timed alternating in one process: the copy in (what `from_cache` of the
+  attended slots makes anew: inside one program, as in `generate`, a leaf
+  the view passes through from the stacked cache is not copied), and the
+  write back of the whole prefix or of the window its steps wrote
+  (`into_cache` with None or `steps`) into the donated cache, as
+  `generate` donates it; a view that reads the stacked cache in place is
+  given the donated cache as its own, as a segment's steps leave it.
 
   Returns:
-    {'copy_in', 'whole_trip', 'window_trip'}: Timing; attend; view_bytes
-    (what the copy in makes anew); cache_bytes; in_place (the view makes
-    less than 1 % of the cache anew: it reads the stacked cache itself).
+    {'copy_in', 'whole_back', 'window_back'}: Timing; attend; view_bytes
+    (what the copy in makes anew); cache_bytes; in_place (the copy in
+    makes less than 1 % of the cache anew: the view reads the stacked
+    cache itself).
   Raises:
     ValueError: the layout has no view for this cache (`supports`).
   """
@@ -1005,14 +1007,20 @@ def segment_copy_seconds(config: ModelConfig, batch: int, context: int, *,
     return [x for x in jax.tree_util.tree_leaves(view.from_cache(c, attend))
             if id(x) not in kept]
 
-  trip = jax.jit(lambda c, n: view.into_cache(c, view.from_cache(c, attend),
-                                               n),
-                 static_argnums=1, donate_argnums=0)
+  seg = jax.jit(view.from_cache, static_argnums=1)(cache, attend)
+  holds_cache = "stacked" in getattr(seg, "__dataclass_fields__", {})
+
+  def back_of(c, seg, n):
+    if holds_cache:  # the stacked cache the segment read and wrote
+      seg = seg.replace(stacked=c)
+    return view.into_cache(c, seg, n)
+
+  back = jax.jit(back_of, static_argnums=2, donate_argnums=0)
   state = [jax.tree_util.tree_map(jnp.copy, cache)]
 
-  def round_trip(n):
+  def write_back(n):
     def run():
-      state[0] = trip(state[0], n)
+      state[0] = back(state[0], seg, n)
       return state[0]
     return run
 
@@ -1020,8 +1028,8 @@ def segment_copy_seconds(config: ModelConfig, batch: int, context: int, *,
   out = dict(attend=attend, cache_bytes=tree_bytes(cache), view_bytes=made,
              in_place=made < 0.01 * tree_bytes(cache))
   out.update(time_alternating(
-      {"copy_in": lambda: copy_in(cache), "whole_trip": round_trip(None),
-       "window_trip": round_trip(steps)}, warmup=warmup, repeats=repeats))
+      {"copy_in": lambda: copy_in(cache), "whole_back": write_back(None),
+       "window_back": write_back(steps)}, warmup=warmup, repeats=repeats))
   return out
 
 
@@ -1784,12 +1792,12 @@ def plot_sweep(result: Mapping[str, Any], path) -> dict[str, Any]:
 def plot_segment_copies(rows: Sequence[Mapping[str, Any]], path
                         ) -> dict[str, Any]:
   """A decode segment's copies per point (`experiments/segment_copy.py`'s
-  rows, `segment_copy_seconds` each): bars of the copy in, and of the copy
-  in with the whole prefix or the window written back, medians in ms."""
+  rows, `segment_copy_seconds` each): bars of the copy in, the whole
+  prefix written back and the window written back, medians in ms."""
   plt = _pyplot()
   parts = (("copy_in", "copy in (from_cache)"),
-           ("whole_trip", "copy in + whole prefix back"),
-           ("window_trip", "copy in + window back (the steps' slots)"))
+           ("whole_back", "whole prefix back"),
+           ("window_back", "window back (the steps' slots)"))
   fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(rows)), 4.2))
   width = 0.8 / len(parts)
   for i, (key, label) in enumerate(parts):
