@@ -127,6 +127,28 @@ class LayeredKV:
     return self.policy.kv_dtype in TRANSPOSED
 
 
+@struct.dataclass
+class StackedSegment:
+  """A decode segment's view that reads the stacked cache itself, in place,
+  over its first S slots (`native_layered.NativeKV`,
+  `native_latent.InPlaceLatent`): the model updates positions [B, S],
+  length and errors here; `stacked` takes the writes."""
+
+  stacked: cache_lib.Cache
+  positions: jax.Array
+  length: jax.Array
+  errors: jax.Array | None = None
+  scores = None  # no h2o: the fields the decode step reads of any cache
+
+  @property
+  def policy(self) -> cache_lib.CachePolicy:
+    return self.stacked.policy
+
+  @property
+  def capacity(self) -> int:
+    return self.positions.shape[1]
+
+
 def supports(cache, attend: int) -> str | None:
   """Why `cache` cannot run a segment attending `attend` slots layered
   (None when it can): a `KVCache` of a `LAYERED_DTYPES` dtype with

@@ -66,24 +66,9 @@ class NativeLatent(layered_latent.LayeredLatent):
 
 
 @struct.dataclass
-class InPlaceLatent:
+class InPlaceLatent(layered.StackedSegment):
   """A segment's stacked `LatentCache`, attended in place by the native
-  kernel over its first S slots (module docstring): the model updates
-  positions [B, S], length and errors here; `stacked` takes the writes."""
-
-  stacked: cache_lib.LatentCache
-  positions: jax.Array
-  length: jax.Array
-  errors: jax.Array | None = None
-  scores = None  # no h2o: the fields the decode step reads of any cache
-
-  @property
-  def policy(self) -> cache_lib.CachePolicy:
-    return self.stacked.policy
-
-  @property
-  def capacity(self) -> int:
-    return self.positions.shape[1]
+  kernel over its first S slots (module docstring)."""
 
 
 @struct.dataclass

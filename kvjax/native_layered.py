@@ -61,25 +61,12 @@ NATIVE_DTYPES = ("float32", "bfloat16", "int8", "int4")
 
 
 @struct.dataclass
-class NativeKV:
-  """A segment's keys in the kernel's tiles and its stacked `KVCache`,
-  whose values and scales the kernel reads in place (module docstring):
-  the model updates positions [B, S], length and errors here."""
+class NativeKV(layered.StackedSegment):
+  """A segment's keys in the kernel's tiles (k: L × [B, K, S/16, H, 16])
+  and its stacked `KVCache`, whose values and scales the kernel reads in
+  place (module docstring)."""
 
-  k: tuple
-  stacked: cache_lib.KVCache
-  positions: jax.Array
-  length: jax.Array
-  errors: jax.Array | None = None
-  scores = None  # no h2o: the fields the decode step reads of any cache
-
-  @property
-  def policy(self) -> cache_lib.CachePolicy:
-    return self.stacked.policy
-
-  @property
-  def capacity(self) -> int:
-    return self.positions.shape[1]
+  k: tuple = ()
 
 
 def supports(cache, attend: int) -> str | None:

@@ -54,6 +54,7 @@ import numpy as np
 from kvjax import cache as cache_lib
 from kvjax import decode
 from kvjax import errors
+from kvjax import layered
 from kvjax import packed
 from kvjax import params as params_lib
 from kvjax import quant
@@ -1008,7 +1009,7 @@ def segment_copy_seconds(config: ModelConfig, batch: int, context: int, *,
             if id(x) not in kept]
 
   seg = jax.jit(view.from_cache, static_argnums=1)(cache, attend)
-  holds_cache = "stacked" in getattr(seg, "__dataclass_fields__", {})
+  holds_cache = isinstance(seg, layered.StackedSegment)
 
   def back_of(c, seg, n):
     if holds_cache:  # the stacked cache the segment read and wrote
