@@ -51,6 +51,14 @@ def _run_scripts(runs):
   return json.loads(proc.stdout)
 
 
+def _run_experiment(name: str, *flags):
+  """experiments/<name>.py run with `flags` in a fresh interpreter."""
+  return subprocess.run(
+      [sys.executable, os.path.join(ROOT, "experiments", f"{name}.py"),
+       *flags], cwd=ROOT, env=ENV, capture_output=True, text=True,
+      timeout=600)
+
+
 class ExperimentsImportTest(absltest.TestCase):
 
   def test_every_script_imports_and_lists_its_flags(self):
@@ -199,13 +207,10 @@ class CacheLayoutTest(absltest.TestCase):
 
   def test_tiny_mla_run_times_both_latent_layouts(self):
     with tempfile.TemporaryDirectory() as tmp:
-      proc = subprocess.run(
-          [sys.executable, os.path.join(ROOT, "experiments",
-                                        "cache_layout.py"),
-           "--preset=mla-tiny", "--batch=2", "--contexts=64",
-           "--kv_dtypes=float32,int8", "--steps=2", "--repeats=1",
-           f"--workdir={tmp}"],
-          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+      proc = _run_experiment(
+          "cache_layout", "--preset=mla-tiny", "--batch=2", "--contexts=64",
+          "--kv_dtypes=float32,int8", "--steps=2", "--repeats=1",
+          f"--workdir={tmp}")
       self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
       with open(os.path.join(tmp, "cache_layout.json")) as f:
         out = json.load(f)
@@ -230,13 +235,10 @@ class SegmentCopyTest(absltest.TestCase):
 
   def test_tiny_run_times_each_view_and_skips_what_has_none(self):
     with tempfile.TemporaryDirectory() as tmp:
-      proc = subprocess.run(
-          [sys.executable, os.path.join(ROOT, "experiments",
-                                        "segment_copy.py"),
-           "--presets=mla-tiny", "--batch=2", "--contexts=100",
-           "--kv_dtypes=float32,int4", "--layouts=native,blocked",
-           "--steps=4", "--repeats=1", f"--workdir={tmp}"],
-          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+      proc = _run_experiment(
+          "segment_copy", "--presets=mla-tiny", "--batch=2", "--contexts=100",
+          "--kv_dtypes=float32,int4", "--layouts=native,blocked", "--steps=4",
+          "--repeats=1", f"--workdir={tmp}")
       self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
       with open(os.path.join(tmp, "segment_copy.json")) as f:
         out = json.load(f)
