@@ -148,6 +148,21 @@ class StackedSegment:
   def capacity(self) -> int:
     return self.positions.shape[1]
 
+  def kept_slots(self, slots_BT):
+    """Decode write slots as the stacked cache takes them: slot S and past
+    (beyond the segment) become the stacked cache's own dropped slot, as a
+    per-layer view drops them."""
+    return jnp.where(slots_BT < self.capacity, slots_BT,
+                     self.stacked.capacity)
+
+  def after(self, cache, **written):
+    """The stacked cache after the segment (`into_cache`): what the steps
+    wrote in place (and `written`), positions [0, S) from the segment,
+    lengths and errors; `cache` the stacked cache before it."""
+    return self.stacked.replace(
+        positions=cache.positions.at[:, :self.capacity].set(self.positions),
+        length=self.length, errors=self.errors, **written)
+
 
 def supports(cache, attend: int) -> str | None:
   """Why `cache` cannot run a segment attending `attend` slots layered
@@ -208,8 +223,8 @@ def written_window(cache, view, steps: int | None):
 
   Why windows: a segment writes `steps` slots per sequence and layer and
   reads the whole prefix; writing the prefix back cost a pass over it per
-  segment (70 ms of float32 gqa-small at batch 8, 16,384 slots; 280 ms for
-  mha-small; WORKSPACE.md "Quantized caches").
+  segment (58 ms of float32 gqa-small at batch 8, 16,384 slots; 244 ms for
+  mha-small; WORKSPACE.md "A decode segment's copies").
   """
   S = view.capacity
   if steps is None or steps >= S:
@@ -257,10 +272,10 @@ def put_window(arr, parts, at_B, axis: int):
 
 
 def write_back(cache: cache_lib.KVCache, view, k_parts, v_parts,
-               packed: bool = False, at_B=None) -> cache_lib.KVCache:
+               at_B=None) -> cache_lib.KVCache:
   """`cache` with a per-layer view's slots written back: keys and values per
-  layer as [B, K, W, H] codes (int4 packed back into pairs, unless
-  `packed`: [B, K, W, H/2] as stored) of slots [at_B[b], at_B[b] + W) of
+  layer as [B, K, W, H] codes (int4 packed back into pairs) of slots
+  [at_B[b], at_B[b] + W) of
   each sequence (`written_window`; at_B None: W = S, the whole prefix),
   the view's scales there, its positions, lengths and errors."""
   S = view.capacity
@@ -270,7 +285,7 @@ def write_back(cache: cache_lib.KVCache, view, k_parts, v_parts,
       return parts
     return tuple(slot_window(x, at_B, v_parts[0].shape[2], 2) for x in parts)
 
-  if view.policy.kv_dtype == "int4" and not packed:
+  if view.policy.kv_dtype == "int4":
     k_parts, v_parts = (tuple(quant.pack_int4(x) for x in k_parts),
                         tuple(quant.pack_int4(x) for x in v_parts))
   return cache.replace(

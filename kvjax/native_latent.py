@@ -17,9 +17,9 @@ so a segment over float32, bfloat16 or int8 latents copies nothing: the
 kernel reads the stacked cache's layer in place (its first S slots) and a
 step writes its token into the stacked arrays, one row per sequence
 (`mla.write_latent`). The per-layer copy this replaces (`from_cache` of
-the layered view) cost a pass over the prefix per segment, 0.24 s for
-mla-small float32 at batch 8 and 16,384 slots (WORKSPACE.md "Quantized
-caches"). int4 latents, packed two codes a byte, are unpacked into the
+the layered view) cost a pass over the prefix per segment, 0.28 s for
+mla-small float32 at batch 8 and 16,384 slots (WORKSPACE.md "A decode
+segment's copies"). int4 latents, packed two codes a byte, are unpacked into the
 per-layer view (`NativeLatent`): the kernel reads int8 codes.
 
 Each step reads a layer's latents once, as stored, for its keys and its
@@ -41,7 +41,6 @@ eviction 'none' only).
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from flax import struct
 
 from kvjax import attention
@@ -123,10 +122,7 @@ def into_cache(cache: cache_lib.LatentCache,
   (`layered_latent.into_cache`); positions and lengths from `view`."""
   if isinstance(view, NativeLatent):
     return layered_latent.into_cache(cache, view, steps)
-  S = view.capacity
-  return view.stacked.replace(
-      positions=cache.positions.at[:, :S].set(view.positions),
-      length=view.length, errors=view.errors)
+  return view.after(cache)
 
 
 def write_in_place(view: InPlaceLatent, layer: int, slots_BT, c_BTC, r_BTR
@@ -134,10 +130,8 @@ def write_in_place(view: InPlaceLatent, layer: int, slots_BT, c_BTC, r_BTR
   """Stores one decode token per sequence (T = 1) of static `layer` into the
   stacked cache at `slots` [B, 1] (slot S, past the segment: dropped, as
   the per-layer views drop it), quantized as the stacked cache stores it."""
-  past = view.stacked.capacity  # the stacked cache's own "dropped" slot
-  slots_BT = jnp.where(slots_BT < view.capacity, slots_BT, past)
-  return view.replace(stacked=mla.write_latent(view.stacked, layer, slots_BT,
-                                               c_BTC, r_BTR))
+  return view.replace(stacked=mla.write_latent(
+      view.stacked, layer, view.kept_slots(slots_BT), c_BTC, r_BTR))
 
 
 def read_in_place(view: InPlaceLatent, layer: int, dtype, prefix: int = 0):

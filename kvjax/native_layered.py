@@ -124,11 +124,8 @@ def into_cache(cache: cache_lib.KVCache, view: NativeKV,
     keys = tuple(layered.tile_window(x, at_B, steps,
                                      native_attention.untile_keys)
                  for x in view.k)
-  S = view.capacity
-  return view.stacked.replace(
-      k=layered.put_window(view.stacked.k, keys, at_B, 3),
-      positions=cache.positions.at[:, :S].set(view.positions),
-      length=view.length, errors=view.errors)
+  return view.after(cache, k=layered.put_window(view.stacked.k, keys, at_B,
+                                                3))
 
 
 def _put_key(tiles, s_B, new_BKH):
@@ -163,9 +160,7 @@ def write(view: NativeKV, layer: int, slots_BT, k_BTKH, v_BTKH) -> NativeKV:
   st = view.stacked
   k_q, k_s = quant.quantize(k_BTKH, st.k.dtype)  # int4: packed
   v_q, v_s = quant.quantize(v_BTKH, st.v.dtype)
-  # Past the segment: the stacked cache's own dropped slot, as the tiles
-  # drop slot S.
-  slots_BT = jnp.where(slots_BT < view.capacity, slots_BT, st.capacity)
+  slots_BT = view.kept_slots(slots_BT)  # the tiles drop slot S too
 
   def put(arr, new_BT):
     return cache_lib.scatter_tokens(arr, layer, slots_BT, new_BT, 3)
