@@ -481,11 +481,14 @@ class KernelTest(parameterized.TestCase):
 
 class LatentKernelTest(parameterized.TestCase):
 
-  # The fast tier: every form and every N, each N at one S.
-  @cases.product(form=("float32", "bfloat16", "int8"), N=(1, 4, 8, 16),
-                 S=(1, 130, 2048),
+  # The fast tier: every form and every N, each N at one S. N of 3 and 6
+  # give query tiles of 3 and 2 rows (on AVX2's 4-row tiles and AVX-512's
+  # 8), whose slot groups' lanes hold 2 and 4 slots per row.
+  @cases.product(form=("float32", "bfloat16", "int8"),
+                 N=(1, 3, 4, 6, 8, 16), S=(1, 130, 2048),
                  slow=lambda form, N, S: (N, S) not in (
-                     (1, 130), (4, 2048), (8, 1), (16, 130)))
+                     (1, 130), (3, 130), (4, 2048), (6, 130), (8, 1),
+                     (16, 130)))
   def test_equals_a_float64_reference(self, form, N, S):
     # MLA's absorbed attention: keys [c | r], values c (one latent shared
     # by the N heads: K = 1, G = N); C not a multiple of 16 on one case.

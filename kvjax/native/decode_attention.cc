@@ -1331,7 +1331,7 @@ inline V lanes_of(const T* p) {
 // Logits of GN query rows against P = L / GN slots whose keys are rows
 // (slots j0 .. j0 + P - 1 of a, b), V a register of L float lanes (16, or
 // 8 in AVX2 builds): the P × GN dot products in L accumulators, reduced
-// together (`lane_sums`). Lane p · GN + g of the result is slot j0 + p's
+// together (`lane_sums`). Lane g · P + p of the result is slot j0 + p's
 // logit for row g (lanes past P · GN: 0). With `split` (int8 codes: the
 // latent and the rotary key have scales of their own) the latent part goes
 // to `rc` and the rotary part to `rr`, each reduced; else both to `rc`.
@@ -1345,7 +1345,7 @@ inline void slot_group_logits(const float* __restrict__ qa, int64_t A,
   constexpr int P = L / GN;
   V acc[L];
   for (int i = 0; i < L; ++i) acc[i] = V{};
-  // acc[p · GN + g] += q_g · row_p over the W channels in whole vectors;
+  // acc[g · P + p] += q_g · row_p over the W channels in whole vectors;
   // the channels past the last multiple of L (none for MLA's usual C and
   // R) go into `tail` after the reduction.
   auto dots = [&](const float* q, int64_t W, const T* rows) {
@@ -1354,7 +1354,7 @@ inline void slot_group_logits(const float* __restrict__ qa, int64_t A,
       for (int p = 0; p < P; ++p) kv[p] = lanes_of<V>(rows + p * W + e);
       for (int g = 0; g < GN; ++g) {
         const V qv = lanes_of<V>(q + g * W + e);
-        for (int p = 0; p < P; ++p) acc[p * GN + g] += qv * kv[p];
+        for (int p = 0; p < P; ++p) acc[g * P + p] += qv * kv[p];
       }
     }
   };
@@ -1362,7 +1362,7 @@ inline void slot_group_logits(const float* __restrict__ qa, int64_t A,
     for (int64_t e = W / L * L; e < W; ++e)
       for (int p = 0; p < P; ++p)
         for (int g = 0; g < GN; ++g)
-          tail[p * GN + g] += q[g * W + e] * load1(rows[p * W + e]);
+          tail[g * P + p] += q[g * W + e] * load1(rows[p * W + e]);
   };
   const T* aj = a + j0 * A;
   const T* bj = b + j0 * R;
@@ -1386,7 +1386,7 @@ inline void slot_group_logits(const float* __restrict__ qa, int64_t A,
 // `slot_group_logits` on 8 lanes over int8 rows for a rounded query (`LatentQuery`):
 // integer products as `block_logits_codes`' AVX2 path takes them (|q| and
 // k · sign(q) into vpmaddubsw, pairs into int32 by vpmaddwd), 32 channels
-// an instruction; lanes p · GN + g of rc / rr the exact integer sums.
+// an instruction; lanes g · P + p of rc / rr the exact integer sums.
 template <int GN>
 inline void slot_group_logits_i8x8(const LatentQuery& q, int64_t A,
                                    int64_t R, const int8_t* __restrict__ a,
@@ -1404,8 +1404,8 @@ inline void slot_group_logits_i8x8(const LatentQuery& q, int64_t A,
         const __m256i qv = load(qc + g * W + e);
         const __m256i qa = _mm256_abs_epi8(qv);
         for (int p = 0; p < P; ++p)
-          acc[p * GN + g] = _mm256_add_epi32(
-              acc[p * GN + g],
+          acc[g * P + p] = _mm256_add_epi32(
+              acc[g * P + p],
               _mm256_madd_epi16(
                   _mm256_maddubs_epi16(qa, _mm256_sign_epi8(kv[p], qv)),
                   ones));
@@ -1429,7 +1429,7 @@ inline void slot_group_logits_i8x8(const LatentQuery& q, int64_t A,
     for (; e < W; ++e)  // channels past the last 16
       for (int p = 0; p < P; ++p)
         for (int g = 0; g < GN; ++g)
-          r[p * GN + g] += static_cast<float>(qc[g * W + e]) *
+          r[g * P + p] += static_cast<float>(qc[g * W + e]) *
                            static_cast<float>(rows[p * W + e]);
     return r;
   };
@@ -1441,7 +1441,7 @@ inline void slot_group_logits_i8x8(const LatentQuery& q, int64_t A,
 #if defined(__AVX512VNNI__)
 // `slot_group_logits` over int8 rows for a rounded query (`LatentQuery`):
 // VNNI dots, 64 channels of a row an instruction (masked loads for the
-// last), lanes p · GN + g of rc / rr the exact integer sums q_g · row_p
+// last), lanes g · P + p of rc / rr the exact integer sums q_g · row_p
 // (each accumulator starts at -offset in lane 0, taking off the +128 of
 // the unsigned key bytes; exact in float for A <= 512).
 template <int GN>
@@ -1457,7 +1457,7 @@ inline void slot_group_logits_vnni(const LatentQuery& q, int64_t A,
     for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_si512();
     for (int p = 0; p < P; ++p)
       for (int g = 0; g < GN; ++g)
-        acc[p * GN + g] = _mm512_mask_set1_epi32(acc[p * GN + g], 1, -off[g]);
+        acc[g * P + p] = _mm512_mask_set1_epi32(acc[g * P + p], 1, -off[g]);
     for (int64_t e = 0; e < W; e += 64) {
       const __mmask64 m =
           W - e >= 64 ? ~__mmask64{0} : (__mmask64{1} << (W - e)) - 1;
@@ -1468,7 +1468,7 @@ inline void slot_group_logits_vnni(const LatentQuery& q, int64_t A,
       for (int g = 0; g < GN; ++g) {
         const __m512i qv = _mm512_maskz_loadu_epi8(m, qc + g * W + e);
         for (int p = 0; p < P; ++p)
-          acc[p * GN + g] = _mm512_dpbusd_epi32(acc[p * GN + g], kv[p], qv);
+          acc[g * P + p] = _mm512_dpbusd_epi32(acc[g * P + p], kv[p], qv);
       }
     }
     f16v f[16];
@@ -1531,6 +1531,74 @@ inline void block_logits_rows_each(const float* __restrict__ qa, int64_t A,
   }
 }
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// P consecutive floats from p in every P-lane run of a register: lane k
+// holds p[k % P] (P = 8, 4, 2 or 1; reads exactly P floats).
+template <int P>
+inline f8v runs8(const float* p) {
+  if constexpr (P == 8) return _mm256_loadu_ps(p);
+  if constexpr (P == 4) return _mm256_broadcast_ps(reinterpret_cast<const __m128*>(p));
+  if constexpr (P == 2)
+    return _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(p)));
+  if constexpr (P == 1) return _mm256_broadcast_ss(p);
+}
+
+// The same for P mask bytes: lane k all ones where mask[k % P].
+template <int P>
+inline __m256 mask_runs8(const bool* mask) {
+  __m128i bytes;
+  if constexpr (P == 8) {
+    uint64_t u;
+    std::memcpy(&u, mask, 8);
+    bytes = _mm_cvtsi64_si128(static_cast<int64_t>(u));
+  } else if constexpr (P == 4) {
+    uint32_t u;
+    std::memcpy(&u, mask, 4);
+    bytes = _mm_set1_epi32(static_cast<int32_t>(u));
+  } else if constexpr (P == 2) {
+    uint16_t u;
+    std::memcpy(&u, mask, 2);
+    bytes = _mm_set1_epi16(static_cast<int16_t>(u));
+  } else {
+    bytes = _mm_set1_epi8(static_cast<char>(mask[0]));
+  }
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_cvtepu8_epi32(bytes),
+                                                _mm256_setzero_si256()));
+}
+
+// A slot group's logits x, lane g · P + p row g's logit of slot j + p
+// (`slot_group_logits`), masked and stored into lg[g][j ..] (each row's P
+// lanes as one store), their running maxima in vmax: no per-lane scalar
+// work (it had cost as much as a group's reduction).
+template <int GN>
+inline void store_group8(f8v x, const bool* __restrict__ mask,
+                         float* __restrict__ lg, f8v& vmax) {
+  constexpr int P = 8 / GN;
+  x = _mm256_blendv_ps(bcast8(kLowest), x, mask_runs8<P>(mask));
+  vmax = _mm256_max_ps(vmax, x);
+  if constexpr (P == 8) {
+    _mm256_storeu_ps(lg, x);
+  } else {
+    const __m128 lo = _mm256_castps256_ps128(x);
+    const __m128 hi = _mm256_extractf128_ps(x, 1);
+    if constexpr (P == 4) {
+      _mm_storeu_ps(lg, lo);
+      _mm_storeu_ps(lg + kBlock, hi);
+    } else if constexpr (P == 2) {
+      _mm_storel_pi(reinterpret_cast<__m64*>(lg), lo);
+      _mm_storeh_pi(reinterpret_cast<__m64*>(lg + kBlock), lo);
+      _mm_storel_pi(reinterpret_cast<__m64*>(lg + 2 * kBlock), hi);
+      if constexpr (GN == 4)
+        _mm_storeh_pi(reinterpret_cast<__m64*>(lg + 3 * kBlock), hi);
+    } else {
+      float t[8];
+      _mm256_storeu_ps(t, x);
+      for (int g = 0; g < GN; ++g) lg[g * kBlock] = t[g];
+    }
+  }
+}
+#endif
+
 // Logits of GN query rows against one block of n slots whose keys are rows:
 // lg[g][j] = qa_g . a_j + qb_g . b_j, a [S, A] and b [S, R] (MLA's latents
 // and rotary keys). Slots go in groups of 16 / GN (`slot_group_logits`),
@@ -1567,6 +1635,17 @@ inline void block_logits_rows(const float* __restrict__ qa, int64_t A,
 #endif
   constexpr int64_t kLine = 64 / sizeof(T);  // elements per cache line
   for (int g = 0; g < GN; ++g) bm[g] = kLowest;
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  // Lane g · P + p's query scales (int8 codes), and the running maxima.
+  alignas(32) float sa_l[8] = {}, sb_l[8] = {};
+  if (cs != nullptr)
+    for (int k = 0; k < GN * P; ++k) {
+      sa_l[k] = lq.sa[k / P];
+      sb_l[k] = lq.sb[k / P];
+    }
+  const f8v sav = load8(sa_l), sbv = load8(sb_l);
+  f8v vmax = bcast8(kLowest);
+#endif
   int64_t j = 0;
   for (; j + P <= n; j += P) {
     // The rows two blocks ahead, latents and rotary keys, on their way
@@ -1594,9 +1673,18 @@ inline void block_logits_rows(const float* __restrict__ qa, int64_t A,
 #else
       group(std::true_type(), lq.fa, lq.fb, b0 + j, rc, rr);
 #endif
+#if defined(__AVX2__) && !defined(__AVX512F__)
+      // `int8_logit` in lanes: the same roundings, one fma.
+      const int64_t s = b0 + j;
+      store_group8<GN>(
+          _mm256_fmadd_ps(runs8<P>(cs + s), sav * rc,
+                          runs8<P>(rs + s) * (sbv * rr)),
+          mask + s, lg + j, vmax);
+      continue;
+#endif
       for (int p = 0; p < P; ++p)
         for (int g = 0; g < GN; ++g) {
-          const int k = p * GN + g;
+          const int k = g * P + p;
           const int64_t s = b0 + j + p;
           const float x = mask[s] ? int8_logit(cs[s], lq.sa[g], rc[k],
                                                rs[s], lq.sb[g], rr[k])
@@ -1606,14 +1694,24 @@ inline void block_logits_rows(const float* __restrict__ qa, int64_t A,
         }
     } else {
       group(std::false_type(), qa, qb, b0 + j, rc, rr);
+#if defined(__AVX2__) && !defined(__AVX512F__)
+      store_group8<GN>(rc, mask + b0 + j, lg + j, vmax);
+      continue;
+#endif
       for (int p = 0; p < P; ++p)
         for (int g = 0; g < GN; ++g) {
-          const float x = mask[b0 + j + p] ? rc[p * GN + g] : kLowest;
+          const float x = mask[b0 + j + p] ? rc[g * P + p] : kLowest;
           lg[g * kBlock + j + p] = x;
           bm[g] = std::max(bm[g], x);
         }
     }
   }
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  alignas(32) float lane_max[8];
+  store8(lane_max, vmax);
+  for (int k = 0; k < GN * P; ++k)
+    bm[k / P] = std::max(bm[k / P], lane_max[k]);
+#endif
   if (cs != nullptr) {
     block_logits_rows_each<GN, T>(lq.fa, A, lq.fb, R, a, b, cs, rs, lq.sa,
                                   lq.sb, mask, b0, j, n, lg, bm);
