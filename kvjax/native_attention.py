@@ -342,23 +342,20 @@ def supports(k_dtype, v_dtype) -> str | None:
   return None
 
 
-def decode_attend(q_BKGD, k, v, mask_BS, scale: float,
+def decode_attend(q_BKGD, k_tiles, v, mask_BS, scale: float,
                   k_scale_BKS=None, v_scale_BKS=None,
-                  bf16_products: str = "auto", layer: int | None = None,
-                  key_rows: bool = False):
+                  bf16_products: str = "auto", layer: int | None = None):
   """Decode attention of one query token per sequence (module docstring).
 
   Args:
     q_BKGD: queries (cast to float32).
-    k: keys in tiles of 16 slots (`tile_keys`); float32, uint16 bfloat16
-      bits, int8 codes or uint8 int4 pairs ([B, K, S/16, D/2, 16]: the
-      packed bytes tiled). With `key_rows`, keys as rows shaped as the
-      values (float32, bfloat16 bits or int8 codes; [B, K, S, D], or with
-      `layer` the stacked [L, B, K, S', D]), read in place.
+    k_tiles: keys in tiles of 16 slots (`tile_keys`); float32, uint16
+      bfloat16 bits, int8 codes or uint8 int4 pairs ([B, K, S/16, D/2,
+      16]: the packed bytes tiled).
     v: values [B, K, S, E], stored as the keys are (int4 pairs: [B, K, S,
       E/2]); with `layer`, a stacked cache's [L, B, K, S', E] (S' >= S)
       read in place: layer `layer`'s first S slots.
-    mask_BS: bool, True where a slot may be attended; S a multiple of 16.
+    mask_BS: bool, True where a slot may be attended.
     scale: softmax scale.
     k_scale_BKS, v_scale_BKS: float32 per-token scales (int8 and int4
       codes only), shaped as the values' slots: [B, K, S], or with
@@ -366,7 +363,6 @@ def decode_attend(q_BKGD, k, v, mask_BS, scale: float,
     bf16_products: over bfloat16 bits, how the products run: 'dot'
       (vdpbf16ps, where the host has it), 'fma' (float32 multiply-adds) or
       'auto' (`bf16_dot_products`); all three give the same bits.
-    key_rows: read the keys as rows (above) rather than tiles.
   Returns:
     out_BKGE float32.
   Raises:
@@ -378,24 +374,21 @@ def decode_attend(q_BKGD, k, v, mask_BS, scale: float,
                      f"one of {sorted(BF16_PRODUCTS)}")
   _require("decode_attend")
   B, K, G, D = q_BKGD.shape
-  S = mask_BS.shape[-1]
-  why = supports(k.dtype, v.dtype)
+  if k_tiles.ndim != 5 or k_tiles.shape[-1] != TILE:
+    raise ValueError(f"decode_attend: keys {k_tiles.shape} are not in tiles "
+                     f"of {TILE} slots, [B, K, S/{TILE}, D, {TILE}]")
+  S = k_tiles.shape[2] * TILE
+  why = supports(k_tiles.dtype, v.dtype)
   if why:
     raise ValueError(f"decode_attend: {why}")
-  if mask_BS.shape != (B, S) or S % TILE:
-    raise ValueError(f"decode_attend: mask {mask_BS.shape}, want (B, S) = "
-                     f"({B}, S) with S a multiple of {TILE}")
-  per = codes_per_element(k.dtype)
-  if key_rows and per != 1:
-    raise ValueError("decode_attend: int4 keys come in tiles (key_rows "
-                     "reads float32, bfloat16 bits or int8 codes)")
-  w = 1 if key_rows else group_width(k.dtype) * per
+  per = codes_per_element(k_tiles.dtype)
+  w = group_width(k_tiles.dtype) * per
   if D % w:
-    raise ValueError(f"decode_attend: {k.dtype} keys of D={D} "
+    raise ValueError(f"decode_attend: {k_tiles.dtype} keys of D={D} "
                      f"channels, not a multiple of {w} (the kernel's "
                      "channel groups)")
   _check_scales("decode_attend",
-                k.dtype in (jnp.dtype(jnp.int8), quant.INT4_PAIRS),
+                k_tiles.dtype in (jnp.dtype(jnp.int8), quant.INT4_PAIRS),
                 k_scale_BKS, v_scale_BKS)
   E = v.shape[-1] * per
   # Per-layer values [B, K, S, E], or with `layer` a stacked cache's [L, B,
@@ -403,11 +396,10 @@ def decode_attend(q_BKGD, k, v, mask_BS, scale: float,
   lead = v.shape[:1] if layer is not None else ()
   S_all = v.shape[-2] if lead else S
   want_v = lead + (B, K, S_all, E // per)
-  want_k = (want_v[:-1] + (D,) if key_rows else
-            (B, K, S // TILE, D // per, TILE))
-  if (k.shape != want_k or v.shape != want_v or S_all < S or
+  want_k = (B, K, S // TILE, D // per, TILE)
+  if (k_tiles.shape != want_k or v.shape != want_v or S_all < S or
       (lead and not 0 <= layer < lead[0])):
-    raise ValueError(f"decode_attend: keys {k.shape} (want {want_k}),"
+    raise ValueError(f"decode_attend: keys {k_tiles.shape} (want {want_k}),"
                      f" values {v.shape} (want {want_v}"
                      + (f" with S' >= {S}, layer {layer} < L" if lead else "")
                      + ")")
@@ -416,14 +408,17 @@ def decode_attend(q_BKGD, k, v, mask_BS, scale: float,
     raise ValueError(f"decode_attend: scales {k_scale_BKS.shape} / "
                      f"{v_scale_BKS.shape}, want the values' slots "
                      f"{want_v[:-1]}")
+  if mask_BS.shape != (B, S):
+    raise ValueError(f"decode_attend: mask {mask_BS.shape}, want {(B, S)}")
   call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((B, K, G, E),
                                                        jnp.float32),
                           vmap_method="sequential")
-  return call(q_BKGD.astype(jnp.float32), k, _scale_operand(k_scale_BKS),
+  return call(q_BKGD.astype(jnp.float32), k_tiles, _scale_operand(k_scale_BKS),
               v, _scale_operand(v_scale_BKS), mask_BS.astype(jnp.bool_),
               scale=np.float32(scale),
               bf16_products=np.int64(BF16_PRODUCTS[bf16_products]),
-              layer=np.int64(layer or 0), key_rows=np.int64(key_rows))
+              layer=np.int64(layer or 0))
+
 
 
 def latent_attend(q_lat_BNC, q_rope_BNR, c_BSC, r_BSR, mask_BS,

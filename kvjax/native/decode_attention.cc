@@ -1972,28 +1972,6 @@ void gqa_tile(const float* qg, const QuadQuery& quads, const uint32_t* qw,
       v, v_scale, E, s0, s1, m, l, acc, dot);
 }
 
-// `gqa_tile` over keys read as rows, [S, D] per (sequence, kv head) as a
-// stacked cache stores them (the logits of `block_logits_rows`, R = 0; no
-// tiles to copy): `qa` the scaled query (bfloat16 keys: rounded to
-// bfloat16, as `gqa_tile`'s pair tiles take it), `lq` its int8 rounding
-// (codes) with zero offsets for the absent rotary part.
-template <int GN, typename T>
-void gqa_rows_tile(const float* qa, const LatentQuery& lq, const T* k,
-                   const float* k_scale, const T* v, const float* v_scale,
-                   const bool* mask, int64_t D, int64_t E, int64_t s0,
-                   int64_t s1, float* m, float* l, float* acc, bool dot) {
-  constexpr bool pairs = std::is_same_v<T, uint16_t>;
-  attend_tile<GN, T, true, pairs>(
-      [&](int64_t b0, int64_t n, float* lg, float* bm) {
-        // The rotary part is empty (R = 0): its pointers are never read
-        // past, its sums 0 (an int8 slot's logit is k_scale · (q_scale ·
-        // dot), `gqa_tile`'s product).
-        block_logits_rows<GN, T>(qa, D, qa, 0, lq, k, k, k_scale, k_scale,
-                                 mask, b0, n, lg, bm);
-      },
-      v, v_scale, E, s0, s1, m, l, acc, dot);
-}
-
 // How MLA's latent products run (`latent_attend`'s `latent_products`):
 // 'auto' takes AMX tiles wherever the build, the OS and the shapes allow
 // them (`amx_latents`), else the vector path; 'amx' is refused where they
@@ -2299,7 +2277,7 @@ void attend_range(const float* q, const float* qb, const T* k,
                   const float* k_scale, const T* v, const float* v_scale,
                   const bool* mask, int64_t G, int64_t D, int64_t R,
                   int64_t E, int64_t S, int64_t s0, int64_t s1, float scale,
-                  int64_t bf16_form, Partial& out, bool key_rows = false) {
+                  int64_t bf16_form, Partial& out) {
   out.m.assign(G, -std::numeric_limits<float>::infinity());
   out.l.assign(G, 0.0f);
   out.acc.assign(G * E, 0.0f);
@@ -2320,8 +2298,6 @@ void attend_range(const float* q, const float* qb, const T* k,
   // bfloat16 keys (GQA's pair tiles): the scaled query rounded to bfloat16.
   const bool pairs = std::is_same_v<T, uint16_t> && qb == nullptr;
   const PairRows rp = pairs ? PairRows(qs.data(), G, D) : PairRows();
-  // Keys as rows: the rotary part's offsets (none) for `LatentQuery`.
-  const std::vector<int32_t> no_offsets(key_rows ? G : 0, 0);
 #if KVJAX_AMX
   // MLA's latents on AMX tiles (`form`: a `LatentForm` for MLA): each
   // query tile's words built once for the range.
@@ -2386,19 +2362,6 @@ void attend_range(const float* q, const float* qb, const T* k,
           latent_tile<GN, T>(qs.data() + g0 * D, qbs.data() + g0 * R, lq, k,
                              v, k_scale, v_scale, mask, D, R, b0, b1, m, l,
                              acc);
-        } else if (key_rows) {
-          const LatentQuery lq =
-              codes ? LatentQuery{ra.codes.data() + g0 * D,
-                                  ra.codes.data() + g0 * D,
-                                  ra.fcodes.data() + g0 * D,
-                                  ra.fcodes.data() + g0 * D,
-                                  ra.scale.data() + g0, ra.scale.data() + g0,
-                                  ra.offset.data() + g0, no_offsets.data()}
-                    : LatentQuery{};
-          gqa_rows_tile<GN, T>(
-              pairs ? rp.floats.data() + g0 * D : qs.data() + g0 * D, lq, k,
-              k_scale, v, v_scale, mask, D, E, b0, b1, m, l, acc,
-              pairs && use_dot_products(bf16_form, GN));
         } else {
           const QuadQuery tile =
               codes ? QuadQuery{qw.data() + g0 * D / 4,
@@ -2452,16 +2415,13 @@ void parallel_for(ffi::ThreadPool& pool, int64_t tasks, const F& task) {
 // (0: S), where the arrays hold more slots than the S attended (a stacked
 // cache read in place: MLA's latents, the GQA family's values); `k_stride`
 // the keys' (0: `stride`; the GQA family's per-layer key tiles: S).
-// `key_rows`: the GQA family's keys are rows [S, D] per pair (a stacked
-// cache's, read in place), not tiles.
 template <typename T>
 void attend_all(ffi::ThreadPool& pool, const float* q, const float* qb,
                 const T* k, const float* k_scale, const T* v,
                 const float* v_scale, const bool* mask, float* out, int64_t B,
                 int64_t K, int64_t G, int64_t D, int64_t R, int64_t E,
                 int64_t S, float scale, int64_t bf16_form = kBf16Auto,
-                int64_t stride = 0, int64_t k_stride = 0,
-                bool key_rows = false) {
+                int64_t stride = 0, int64_t k_stride = 0) {
   if (stride == 0) stride = S;
   if (k_stride == 0) k_stride = stride;
   // Chunks split the slots when there are fewer (sequence, head) pairs than
@@ -2485,7 +2445,7 @@ void attend_all(ffi::ThreadPool& pool, const float* q, const float* qb,
                     v + p * v_pair,
                     v_scale != nullptr ? v_scale + p * stride : nullptr,
                     mask + (p / K) * S, G, D, R, E, S, s0, s1, scale,
-                    bf16_form, parts[t], key_rows);
+                    bf16_form, parts[t]);
   });
   for (int64_t p = 0; p < pairs; ++p) {
     for (int64_t g = 0; g < G; ++g) {
@@ -2508,21 +2468,17 @@ void attend_all(ffi::ThreadPool& pool, const float* q, const float* qb,
   }
 }
 
-// Values (and scales) `stride` slots apart per (sequence, head); keys in
-// per-layer tiles of S slots, or with `key_rows` rows `stride` slots apart
-// as the values are; `at_k`, `at_v`: the layer's first key and value
-// element.
+// Values (and scales) `stride` slots apart per (sequence, head), keys in
+// per-layer tiles of S slots; `at`: the values' layer's first element.
 template <typename T>
 ffi::Error run(ffi::ThreadPool& pool, const float* q, const void* k,
                const float* ks, const void* v, const float* vs,
                const bool* mask, float* out, int64_t B, int64_t K, int64_t G,
                int64_t D, int64_t E, int64_t S, float scale,
-               int64_t bf16_form, int64_t stride, int64_t at_k, int64_t at_v,
-               bool key_rows) {
-  attend_all<T>(pool, q, nullptr, static_cast<const T*>(k) + at_k, ks,
-                static_cast<const T*>(v) + at_v, vs, mask, out, B, K, G, D, 0,
-                E, S, scale, bf16_form, stride, key_rows ? stride : S,
-                key_rows);
+               int64_t bf16_form, int64_t stride, int64_t at) {
+  attend_all<T>(pool, q, nullptr, static_cast<const T*>(k), ks,
+                static_cast<const T*>(v) + at, vs, mask, out, B, K, G, D, 0,
+                E, S, scale, bf16_form, stride, S);
   return ffi::Error::Success();
 }
 
@@ -2530,62 +2486,42 @@ ffi::Error run(ffi::ThreadPool& pool, const float* q, const void* k,
 
 // Values v [B, K, S, E] (scales [B, K, S]) per layer, or a stacked cache's
 // [L, B, K, S', E] (scales [L, B, K, S']) read in place, layer `layer`'s
-// first S slots (S the mask's); keys per layer in tiles [B, K, S/16, D, 16],
-// or with `key_rows` (float32, bfloat16, int8) rows shaped as the values,
-// [(L,) B, K, S', D], read in place too.
+// first S slots (S the keys'); keys always per layer, in tiles.
 static ffi::Error DecodeAttentionImpl(
     ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
     ffi::Buffer<ffi::F32> k_scale, ffi::AnyBuffer v,
     ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::PRED> mask,
     ffi::ResultBuffer<ffi::F32> out, float scale, int64_t bf16_products,
-    int64_t layer, int64_t key_rows) {
+    int64_t layer) {
   const auto qd = q.dimensions(), kd = k.dimensions(), vd_all = v.dimensions();
-  const auto md = mask.dimensions();
   if (bf16_products < kBf16Auto || bf16_products > kBf16Fma)
     return ffi::Error::InvalidArgument("bf16_products: 0, 1 or 2");
-  if (key_rows != 0 && key_rows != 1)
-    return ffi::Error::InvalidArgument("key_rows: 0 or 1");
-  if (qd.size() != 4 || (vd_all.size() != 4 && vd_all.size() != 5) ||
-      md.size() != 2)
+  if (qd.size() != 4 || (vd_all.size() != 4 && vd_all.size() != 5))
     return ffi::Error::InvalidArgument(
-        "q must be rank 4, v rank 4 (or 5, stacked), mask rank 2");
+        "q must be rank 4, v rank 4 (or 5, stacked)");
   const int64_t L = vd_all.size() == 5 ? vd_all[0] : 1;
   const auto vd = vd_all.last(4);  // [B, K, S', E]
   if (layer < 0 || layer >= L)
     return ffi::Error::InvalidArgument("layer: one of the values' L");
+  if (kd.size() != 5 || kd[4] != kLanes)
+    return ffi::Error::InvalidArgument("k must be [B, K, S/16, D, 16]");
   // int4 pairs (u8) hold two codes a byte: keys [B, K, S/16, D/2, 16],
   // values [B, K, S, E/2].
   const bool nibbles = k.element_type() == ffi::U8;
   const int64_t per = nibbles ? 2 : 1;
   const int64_t B = qd[0], K = qd[1], G = qd[2], D = qd[3];
-  const int64_t S = md[1], E = vd[3] * per;
+  const int64_t S = kd[2] * kLanes, E = vd[3] * per;
+  if (kd[0] != B || kd[1] != K || kd[3] * per != D)
+    return ffi::Error::InvalidArgument(
+        nibbles ? "int4 k must be [B, K, S/16, D/2, 16]"
+                : "k must be [B, K, S/16, D, 16]");
+  if (k.element_type() == ffi::S8 && D % 4 != 0)
+    return ffi::Error::InvalidArgument("int8 keys: D must be a multiple of 4");
+  if (nibbles && D % 8 != 0)
+    return ffi::Error::InvalidArgument("int4 keys: D must be a multiple of 8");
+  if (k.element_type() == ffi::U16 && D % 2 != 0)
+    return ffi::Error::InvalidArgument("bfloat16 keys: D must be even");
   const int64_t cap = vd[2];  // the values' slots per (sequence, head)
-  if (key_rows) {
-    if (nibbles)
-      return ffi::Error::InvalidArgument("key_rows: int4 keys come in tiles");
-    if (kd.size() != vd_all.size() || kd.last(4)[0] != B ||
-        kd.last(4)[1] != K || kd.last(4)[2] != cap || kd.last(4)[3] != D ||
-        (kd.size() == 5 && kd[0] != L))
-      return ffi::Error::InvalidArgument(
-          "key_rows: k must be [(L,) B, K, S', D], the values' slots");
-  } else {
-    if (kd.size() != 5 || kd[4] != kLanes)
-      return ffi::Error::InvalidArgument("k must be [B, K, S/16, D, 16]");
-    if (kd[0] != B || kd[1] != K || kd[3] * per != D || kd[2] * kLanes != S)
-      return ffi::Error::InvalidArgument(
-          nibbles ? "int4 k must be [B, K, S/16, D/2, 16]"
-                  : "k must be [B, K, S/16, D, 16], S the mask's");
-    if (k.element_type() == ffi::S8 && D % 4 != 0)
-      return ffi::Error::InvalidArgument(
-          "int8 keys: D must be a multiple of 4");
-    if (nibbles && D % 8 != 0)
-      return ffi::Error::InvalidArgument(
-          "int4 keys: D must be a multiple of 8");
-    if (k.element_type() == ffi::U16 && D % 2 != 0)
-      return ffi::Error::InvalidArgument("bfloat16 keys: D must be even");
-  }
-  if (S % kLanes != 0)
-    return ffi::Error::InvalidArgument("S must be a multiple of 16");
   if (vd[0] != B || vd[1] != K || (vd_all.size() == 4 ? cap != S : cap < S))
     return ffi::Error::InvalidArgument(
         nibbles ? "int4 v must be [(L,) B, K, S, E/2]"
@@ -2600,31 +2536,28 @@ static ffi::Error DecodeAttentionImpl(
                  v_scale.element_count() != L * B * K * cap))
     return ffi::Error::InvalidArgument("scales must be the values' [(L,) B, "
                                        "K, S']");
-  if (md[0] != B)
+  if (mask.element_count() != B * S)
     return ffi::Error::InvalidArgument("mask must be [B, S]");
   const int64_t at = layer * B * K * cap;  // the layer's first slot
   const int64_t at_v = at * (E / per);     // its first value element
-  const int64_t at_k = key_rows ? at * D : 0;
   const float* ks = scales ? k_scale.typed_data() + at : nullptr;
   const float* vs = scales ? v_scale.typed_data() + at : nullptr;
   const float* qp = q.typed_data();
   const bool* mp = mask.typed_data();
   float* op = out->typed_data();
-  auto go = [&](auto tag) {
-    using T = decltype(tag);
-    return run<T>(pool, qp, k.untyped_data(), ks, v.untyped_data(), vs, mp,
-                  op, B, K, G, D, E, S, scale, bf16_products, cap, at_k, at_v,
-                  key_rows != 0);
-  };
   switch (k.element_type()) {
     case ffi::F32:
-      return go(float());
+      return run<float>(pool, qp, k.untyped_data(), ks, v.untyped_data(), vs,
+                        mp, op, B, K, G, D, E, S, scale, bf16_products, cap, at_v);
     case ffi::U16:  // bfloat16 bits (kvjax.quant stores bfloat16 so)
-      return go(uint16_t());
+      return run<uint16_t>(pool, qp, k.untyped_data(), ks, v.untyped_data(),
+                           vs, mp, op, B, K, G, D, E, S, scale, bf16_products, cap, at_v);
     case ffi::S8:
-      return go(int8_t());
+      return run<int8_t>(pool, qp, k.untyped_data(), ks, v.untyped_data(), vs,
+                         mp, op, B, K, G, D, E, S, scale, bf16_products, cap, at_v);
     case ffi::U8:  // int4 pairs (kvjax.quant.INT4_PAIRS)
-      return go(uint8_t());
+      return run<uint8_t>(pool, qp, k.untyped_data(), ks, v.untyped_data(),
+                          vs, mp, op, B, K, G, D, E, S, scale, bf16_products, cap, at_v);
     default:
       return ffi::Error::InvalidArgument(
           "k: f32, u16 (bfloat16 bits), s8 or u8 (int4 pairs)");
@@ -2743,8 +2676,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxDecodeAttention, DecodeAttentionImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()   // out
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("bf16_products")
-                                  .Attr<int64_t>("layer")
-                                  .Attr<int64_t>("key_rows"));
+                                  .Attr<int64_t>("layer"));
 
 // Whether the bfloat16 products of tiles of `kMeasuredFromRows` or more
 // query rows run as vdpbf16ps where the caller leaves the form to the
