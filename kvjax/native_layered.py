@@ -25,7 +25,11 @@ Why tiles: with keys transposed whole ([H, S] per head, the layered
 view's layout for XLA's `q K^T`), 16 slots' keys are H rows S apart, and
 the kernel reached about half of the read probe's bandwidth on float32;
 in tiles they are one contiguous run (WORKSPACE.md "Quantized caches, and
-the cache-dominated regime").
+the cache-dominated regime"). Read in place as rows, as MLA's latents
+are, they would need no copy, but per layer the kernel then took
+1.09-1.79x the tiles' time (batch 8, 16k; gqa-medium float32 0.94x), more
+than the copy saves over a segment of 20-70 steps or longer (WORKSPACE.md
+"A decode segment's copies").
 
 It is a decode cache kind (`attention.register_decode_cache`) and a decode
 view (`kvjax.decode`'s 'native' layout): the model reads it through the
