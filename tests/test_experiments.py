@@ -59,6 +59,20 @@ def _run_experiment(name: str, *flags):
       timeout=600)
 
 
+def _run_for_json(test, name: str, json_name: str, *flags, pngs=()):
+  """experiments/<name>.py run with `flags` and a temporary --workdir:
+  asserts that it exits 0 and writes each of `pngs` non-empty, and returns
+  the process and the JSON it wrote to `json_name`."""
+  with tempfile.TemporaryDirectory() as tmp:
+    proc = _run_experiment(name, *flags, f"--workdir={tmp}")
+    test.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+    with open(os.path.join(tmp, json_name)) as f:
+      out = json.load(f)
+    for png in pngs:
+      test.assertGreater(os.path.getsize(os.path.join(tmp, png)), 0, png)
+  return proc, out
+
+
 class ExperimentsImportTest(absltest.TestCase):
 
   def test_every_script_imports_and_lists_its_flags(self):
@@ -106,26 +120,15 @@ class PeerBenchmarkTest(absltest.TestCase):
   """The peer benchmark end to end on the tiny preset (torch and
   transformers come with the test extra)."""
 
-  def _run(self, *flags):
-    return subprocess.run(
-        [sys.executable, os.path.join(ROOT, "experiments",
-                                      "peer_benchmark.py"), *flags],
-        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
-
   def test_tiny_run_writes_ratios_and_their_spread(self):
-    with tempfile.TemporaryDirectory() as tmp:
-      proc = self._run("--config=configs/model.py:gqa-tiny", "--batches=1,2",
-                       # 512 tokens: decode time (~15 ms here) dwarfs the
-                       # noise of a loaded machine's 1-token prefill timing
-                       # (64 gave ~1.6 ms of decode; a CI run saw a 6 ms
-                       # median prefill and failed).
-                       "--prompt_len=8", "--new_tokens=512", "--repeats=3",
-                       "--check_tokens=4",
-                       f"--workdir={tmp}")
-      self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
-      with open(os.path.join(tmp, "peer.json")) as f:
-        out = json.load(f)
-      self.assertTrue(os.path.getsize(os.path.join(tmp, "peer.png")) > 0)
+    _, out = _run_for_json(
+        self, "peer_benchmark", "peer.json",
+        "--config=configs/model.py:gqa-tiny", "--batches=1,2",
+        # 512 tokens: decode time (~15 ms here) dwarfs the noise of a
+        # loaded machine's 1-token prefill timing (64 gave ~1.6 ms of
+        # decode; a CI run saw a 6 ms median prefill and failed).
+        "--prompt_len=8", "--new_tokens=512", "--repeats=3",
+        "--check_tokens=4", pngs=("peer.png",))
     tiny = kvjax.ModelConfig.from_dict(model_presets.model_dict("gqa",
                                                                 "tiny"))
     self.assertLessEqual(out["max_logit_diff"],
@@ -148,7 +151,7 @@ class PeerBenchmarkTest(absltest.TestCase):
       self.assertGreater(row["decode_ratio_loaded"], 0)
 
   def test_bad_batches_fail_before_building_a_model(self):
-    proc = self._run("--batches=1,0")
+    proc = _run_experiment("peer_benchmark", "--batches=1,0")
     self.assertNotEqual(proc.returncode, 0)
     self.assertIn("--batches=1,0", proc.stderr)
     self.assertNotIn("params; torch", proc.stderr)
@@ -158,20 +161,12 @@ class PeerBenchmarkTest(absltest.TestCase):
 class PrefillScalingTest(absltest.TestCase):
 
   def test_tiny_run_writes_rates_and_memory(self):
-    with tempfile.TemporaryDirectory() as tmp:
-      proc = subprocess.run(
-          [sys.executable, os.path.join(ROOT, "experiments",
-                                        "prefill_scaling.py"),
-           "--config=configs/model.py:gqa-tiny", "--lengths=16,64",
-           "--memory_lengths=64,4096", "--path_lengths=64", "--repeats=1",
-           "--chunk=1024", "--chunk_memory_lengths=4096,8192",
-           f"--workdir={tmp}"],
-          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
-      self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
-      with open(os.path.join(tmp, "prefill_scaling.json")) as f:
-        out = json.load(f)
-      self.assertGreater(
-          os.path.getsize(os.path.join(tmp, "prefill_scaling.png")), 0)
+    proc, out = _run_for_json(
+        self, "prefill_scaling", "prefill_scaling.json",
+        "--config=configs/model.py:gqa-tiny", "--lengths=16,64",
+        "--memory_lengths=64,4096", "--path_lengths=64", "--repeats=1",
+        "--chunk=1024", "--chunk_memory_lengths=4096,8192",
+        pngs=("prefill_scaling.png",))
     self.assertEqual([r["length"] for r in out["rows"]], [16, 64])
     self.assertEqual(out["rows"][0]["relative"], 1.0)
     for r in out["rows"]:
@@ -206,14 +201,10 @@ class PrefillScalingTest(absltest.TestCase):
 class CacheLayoutTest(absltest.TestCase):
 
   def test_tiny_mla_run_times_both_latent_layouts(self):
-    with tempfile.TemporaryDirectory() as tmp:
-      proc = _run_experiment(
-          "cache_layout", "--preset=mla-tiny", "--batch=2", "--contexts=64",
-          "--kv_dtypes=float32,int8", "--steps=2", "--repeats=1",
-          f"--workdir={tmp}")
-      self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
-      with open(os.path.join(tmp, "cache_layout.json")) as f:
-        out = json.load(f)
+    proc, out = _run_for_json(
+        self, "cache_layout", "cache_layout.json", "--preset=mla-tiny",
+        "--batch=2", "--contexts=64", "--kv_dtypes=float32,int8", "--steps=2",
+        "--repeats=1")
     # blocked views hold GQA caches only; the native latent kernel reads
     # float and int8 latents: MLA times stacked, layered and native.
     self.assertEqual(sorted((r["kv_dtype"], r["layout"]) for r in out["rows"]),
@@ -234,15 +225,11 @@ class CacheLayoutTest(absltest.TestCase):
 class SegmentCopyTest(absltest.TestCase):
 
   def test_tiny_run_times_each_view_and_skips_what_has_none(self):
-    with tempfile.TemporaryDirectory() as tmp:
-      proc = _run_experiment(
-          "segment_copy", "--presets=mla-tiny", "--batch=2", "--contexts=100",
-          "--kv_dtypes=float32,int4", "--layouts=native,blocked", "--steps=4",
-          "--repeats=1", f"--workdir={tmp}")
-      self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
-      with open(os.path.join(tmp, "segment_copy.json")) as f:
-        out = json.load(f)
-      self.assertTrue(os.path.getsize(os.path.join(tmp, "segment_copy.png")))
+    proc, out = _run_for_json(
+        self, "segment_copy", "segment_copy.json", "--presets=mla-tiny",
+        "--batch=2", "--contexts=100", "--kv_dtypes=float32,int4",
+        "--layouts=native,blocked", "--steps=4", "--repeats=1",
+        pngs=("segment_copy.png",))
     # MLA's float latents are read in place, its int4 ones copied per
     # layer; no blocked view holds latents.
     rows = {r["kv_dtype"]: r for r in out["rows"]}
@@ -260,20 +247,12 @@ class AttentionMapTest(absltest.TestCase):
   probe's per-query-head probabilities of the latent attention)."""
 
   def test_tiny_random_run_writes_json_and_pngs(self):
-    with tempfile.TemporaryDirectory() as tmp:
-      proc = subprocess.run(
-          [sys.executable, os.path.join(ROOT, "experiments",
-                                        "attention_map.py"),
-           "--random", "--config=configs/model.py:mla-tiny",
-           "--text=It is a truth universally acknowledged, that a single "
-           "man in possession of a good fortune", "--length=32",
-           "--windows=2", "--sink_k=1,3", f"--workdir={tmp}"],
-          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
-      self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
-      with open(os.path.join(tmp, "attention_map.json")) as f:
-        out = json.load(f)
-      for png in ("attention_map.png", "attention_stats.png"):
-        self.assertGreater(os.path.getsize(os.path.join(tmp, png)), 0, png)
+    _, out = _run_for_json(
+        self, "attention_map", "attention_map.json", "--random",
+        "--config=configs/model.py:mla-tiny",
+        "--text=It is a truth universally acknowledged, that a single man "
+        "in possession of a good fortune", "--length=32", "--windows=2",
+        "--sink_k=1,3", pngs=("attention_map.png", "attention_stats.png"))
     L, N, T = 2, 4, 32  # mla-tiny; 2 windows of 32 bytes
     self.assertEqual((out["tokens"]["windows"], out["tokens"]["length"]),
                      (2, T))

@@ -1680,8 +1680,7 @@ inline void block_logits_rows(const float* __restrict__ qa, int64_t A,
           _mm256_fmadd_ps(runs8<P>(cs + s), sav * rc,
                           runs8<P>(rs + s) * (sbv * rr)),
           mask + s, lg + j, vmax);
-      continue;
-#endif
+#else
       for (int p = 0; p < P; ++p)
         for (int g = 0; g < GN; ++g) {
           const int k = g * P + p;
@@ -1692,18 +1691,19 @@ inline void block_logits_rows(const float* __restrict__ qa, int64_t A,
           lg[g * kBlock + j + p] = x;
           bm[g] = std::max(bm[g], x);
         }
+#endif
     } else {
       group(std::false_type(), qa, qb, b0 + j, rc, rr);
 #if defined(__AVX2__) && !defined(__AVX512F__)
       store_group8<GN>(rc, mask + b0 + j, lg + j, vmax);
-      continue;
-#endif
+#else
       for (int p = 0; p < P; ++p)
         for (int g = 0; g < GN; ++g) {
           const float x = mask[b0 + j + p] ? rc[g * P + p] : kLowest;
           lg[g * kBlock + j + p] = x;
           bm[g] = std::max(bm[g], x);
         }
+#endif
     }
   }
 #if defined(__AVX2__) && !defined(__AVX512F__)
